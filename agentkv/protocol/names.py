@@ -1,0 +1,111 @@
+"""Every wire name agentkv speaks, defined once.
+
+Headers and body fields of the client <-> router contract (``DESIGN.md``), the fields of vLLM's
+OpenAI server that agentkv reads or sets, and the Prometheus metric names of vLLM 0.33 that the
+simulator exports and the router and benchmarks read. Nothing here performs I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+__all__ = [
+    "BODY_CONVERSATION_ID",
+    "BODY_KV_TRANSFER_PARAMS",
+    "BODY_PROMPT_CACHE_KEY",
+    "BODY_PROMPT_TOKEN_IDS",
+    "BODY_RETURN_TOKEN_IDS",
+    "BODY_SESSION_ID",
+    "BODY_SIM_SCRIPT",
+    "BODY_TOKEN_IDS",
+    "DECISIONS",
+    "HEADER_CONVERSATION_ID",
+    "HEADER_DECISION",
+    "HEADER_EPOCH",
+    "HEADER_REQUEST_ID",
+    "HEADER_REUSED_TOKENS",
+    "HEADER_SESSION_ID",
+    "HEADER_SIM_MODEL_TTFT_MS",
+    "HEADER_SIM_WRONG_KV_TOKENS",
+    "HEADER_VERIFIED_PREFIX_TOKENS",
+    "Metric",
+]
+
+# -- headers: client <-> router ------------------------------------------------------------------
+HEADER_CONVERSATION_ID: Final = "X-Conversation-Id"
+"""Canonical conversation id header (the SDK always sends it)."""
+HEADER_SESSION_ID: Final = "X-Session-ID"
+"""Sent by vLLM's multi-turn benchmark with ``--send-conversation-id``."""
+HEADER_EPOCH: Final = "X-AgentKV-Epoch"
+"""Integer history epoch; the client bumps it when it rewrites history."""
+HEADER_REQUEST_ID: Final = "X-Request-Id"
+"""vLLM uses it as the base of its internal request id (it appends ``-<8 hex>``)."""
+HEADER_DECISION: Final = "X-AgentKV-Decision"
+HEADER_REUSED_TOKENS: Final = "X-AgentKV-Reused-Tokens"
+HEADER_VERIFIED_PREFIX_TOKENS: Final = "X-AgentKV-Verified-Prefix-Tokens"
+
+DECISIONS: Final = ("pull", "local", "recompute", "miss", "stale", "expired")
+"""Values of ``X-AgentKV-Decision``."""
+
+# -- headers: simulator receipts (agentkv's own engine simulator only) --------------------------
+HEADER_SIM_WRONG_KV_TOKENS: Final = "X-AgentKV-Sim-Wrong-KV-Tokens"
+"""Set by the simulator when a request ran on KV computed for other tokens (silent corruption)."""
+HEADER_SIM_MODEL_TTFT_MS: Final = "X-AgentKV-Sim-Model-TTFT-Ms"
+"""The cost model's time to first token for this request, before ``--time-scale``."""
+
+# -- body fields ---------------------------------------------------------------------------------
+BODY_KV_TRANSFER_PARAMS: Final = "kv_transfer_params"
+BODY_PROMPT_TOKEN_IDS: Final = "prompt_token_ids"
+"""In responses with ``return_token_ids``; inside ``kv_transfer_params`` in requests (vLLM 0.33)."""
+BODY_TOKEN_IDS: Final = "token_ids"
+BODY_RETURN_TOKEN_IDS: Final = "return_token_ids"
+BODY_CONVERSATION_ID: Final = "conversation_id"
+"""vLLM's example multi-turn proxy keys its store by this body field."""
+BODY_SESSION_ID: Final = "session_id"
+"""vLLM's own per-conversation field, copied into KV events."""
+BODY_PROMPT_CACHE_KEY: Final = "prompt_cache_key"
+"""OpenAI's cache-routing hint."""
+BODY_SIM_SCRIPT: Final = "agentkv_sim"
+"""Simulator test hook: a scripted model output for this request (see ``docs/simulator.md``)."""
+
+
+class Metric:
+    """Prometheus metric names as vLLM 0.33 exposes them (counters carry a ``_total`` suffix).
+
+    The names below are the base names given to ``prometheus_client``; a counter ``NAME`` is
+    scraped as ``NAME_total``.
+    """
+
+    PREFIX_CACHE_QUERIES: Final = "vllm:prefix_cache_queries"
+    PREFIX_CACHE_HITS: Final = "vllm:prefix_cache_hits"
+    EXTERNAL_PREFIX_CACHE_QUERIES: Final = "vllm:external_prefix_cache_queries"
+    EXTERNAL_PREFIX_CACHE_HITS: Final = "vllm:external_prefix_cache_hits"
+    PROMPT_TOKENS: Final = "vllm:prompt_tokens"
+    GENERATION_TOKENS: Final = "vllm:generation_tokens"
+    PROMPT_TOKENS_CACHED: Final = "vllm:prompt_tokens_cached"
+    PROMPT_TOKENS_BY_SOURCE: Final = "vllm:prompt_tokens_by_source"
+    """Label ``source``: ``local_compute`` | ``local_cache_hit`` | ``external_kv_transfer``."""
+    PROMPT_TOKENS_CACHED_BY_SOURCE: Final = "vllm:prompt_tokens_cached_by_source"
+    """Label ``source``: NIXL reports ``p2p``."""
+    REQUEST_PREFILL_KV_COMPUTED_TOKENS: Final = "vllm:request_prefill_kv_computed_tokens"
+    KV_CACHE_USAGE_PERC: Final = "vllm:kv_cache_usage_perc"
+    NUM_REQUESTS_RUNNING: Final = "vllm:num_requests_running"
+    NUM_REQUESTS_WAITING: Final = "vllm:num_requests_waiting"
+    REQUEST_SUCCESS: Final = "vllm:request_success"
+    TIME_TO_FIRST_TOKEN_SECONDS: Final = "vllm:time_to_first_token_seconds"
+    NIXL_XFER_TIME_SECONDS: Final = "vllm:nixl_xfer_time_seconds"
+    NIXL_POST_TIME_SECONDS: Final = "vllm:nixl_post_time_seconds"
+    NIXL_BYTES_TRANSFERRED: Final = "vllm:nixl_bytes_transferred"
+    NIXL_NUM_DESCRIPTORS: Final = "vllm:nixl_num_descriptors"
+    NIXL_NUM_FAILED_TRANSFERS: Final = "vllm:nixl_num_failed_transfers"
+    NIXL_NUM_FAILED_NOTIFICATIONS: Final = "vllm:nixl_num_failed_notifications"
+    NIXL_NUM_KV_EXPIRED_REQS: Final = "vllm:nixl_num_kv_expired_reqs"
+    NIXL_NUM_NOTIFICATIONS_AFTER_EXPIRY: Final = "vllm:nixl_num_notifications_after_expiry"
+    # agentkv's simulator only
+    SIM_WRONG_KV_TOKENS: Final = "agentkv_sim_wrong_kv_tokens"
+    SIM_WRONG_KV_REQUESTS: Final = "agentkv_sim_wrong_kv_requests"
+    SIM_RETAINED_BLOCKS: Final = "agentkv_sim_retained_blocks"
+    SIM_RETAINED_REQUESTS: Final = "agentkv_sim_retained_requests"
+    SIM_RETAINED_BLOCK_SECONDS: Final = "agentkv_sim_retained_block_seconds"
+    SIM_KV_BLOCKS_USED: Final = "agentkv_sim_kv_blocks_used"
+    SIM_KV_BLOCKS_TOTAL: Final = "agentkv_sim_kv_blocks_total"

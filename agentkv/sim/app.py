@@ -1,0 +1,379 @@
+"""The simulator's ASGI app: ``create_app(config)`` serves one vLLM-like instance.
+
+Routes (vLLM 0.33's OpenAI server): ``POST /v1/chat/completions``, ``POST /v1/completions``,
+``POST /tokenize``, ``POST /detokenize``, ``GET /v1/models``, ``GET /health``, ``GET /metrics``,
+``POST /reset_prefix_cache``. Internal (simulator only): the NIXL stand-in under ``/_sim/nixl/``
+(:mod:`agentkv.sim.transfer`), ``GET|POST /_sim/faults`` (:mod:`agentkv.sim.faults`) and
+``GET /_sim/state``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from pydantic import ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from agentkv.protocol import HEADER_REQUEST_ID, HEADER_SIM_MODEL_TTFT_MS, HEADER_SIM_WRONG_KV_TOKENS, error_body
+from agentkv.sim.clock import Clock
+from agentkv.sim.config import SimConfig
+from agentkv.sim.costmodel import PRESETS, CostModel
+from agentkv.sim.engine import Engine, EngineError, Finished, Scheduled
+from agentkv.sim.faults import Faults
+from agentkv.sim.metrics import SimMetrics
+from agentkv.sim.serving import Plan, Renderer, StreamWriter, full_response, plan_chat, plan_completion
+from agentkv.sim.template import ChatTemplate, load_template
+from agentkv.sim.tokenizer import SimTokenizer, load_tokenizer
+from agentkv.sim.transfer import TransferClient
+
+__all__ = ["SimState", "create_app"]
+
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+@dataclass
+class SimState:
+    """Everything one instance holds (``app.state.sim``)."""
+
+    config: SimConfig
+    engine: Engine
+    renderer: Renderer
+    metrics: SimMetrics
+    faults: Faults
+
+
+def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param=param), status_code=status)
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise EngineError(413, "Request body too large.")
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise EngineError(400, f"Invalid JSON body: {exc}") from exc
+    if not isinstance(data, dict):
+        raise EngineError(400, "The request body must be a JSON object.")
+    return data
+
+
+def create_app(
+    config: SimConfig | None = None,
+    *,
+    tokenizer: SimTokenizer | None = None,
+    template: ChatTemplate | None = None,
+    cost: CostModel | None = None,
+    clock: Clock | None = None,
+    transfer: TransferClient | None = None,
+    faults: Faults | None = None,
+) -> Starlette:
+    """Build one simulated vLLM instance.
+
+    Args:
+        config: the instance's settings (defaults: a plain instance, real Qwen3 vocabulary).
+        tokenizer: overrides ``config.tokenizer``.
+        template: overrides ``config.template``.
+        cost: overrides ``config.preset``.
+        clock: the instance's private clock (default: ``perf_counter`` shifted by
+            ``config.clock_offset_s``, sleeps scaled by ``config.time_scale``).
+        transfer: how to reach other instances (default: HTTP).
+        faults: initial fault knobs.
+    """
+    cfg = config or SimConfig()
+    tok = tokenizer or load_tokenizer(cfg.tokenizer)
+    tmpl = template or load_template(cfg.template, tok)
+    if cost is None:
+        if cfg.preset not in PRESETS:
+            raise ValueError(f"unknown preset {cfg.preset!r}; known: {', '.join(sorted(PRESETS))}")
+        cost = PRESETS[cfg.preset]
+    clk = clock or Clock(offset_s=cfg.clock_offset_s, scale=cfg.time_scale)
+    metrics = SimMetrics(cfg.served_model_name)
+    engine = Engine(
+        cfg,
+        cost=cost,
+        metrics=metrics,
+        clock=clk,
+        transfer=transfer or TransferClient(),
+        vocab_size=tok.vocab_size,
+    )
+    state = SimState(cfg, engine, Renderer(cfg, tok, tmpl), metrics, faults or Faults())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        reaper = asyncio.create_task(engine.reap_forever())
+        try:
+            yield
+        finally:
+            engine.shutdown()
+            reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reaper
+            await engine.transfer.aclose()
+
+    routes = [
+        Route("/v1/chat/completions", _generate(state, chat=True), methods=["POST"]),
+        Route("/v1/completions", _generate(state, chat=False), methods=["POST"]),
+        Route("/tokenize", _tokenize(state), methods=["POST"]),
+        Route("/detokenize", _detokenize(state), methods=["POST"]),
+        Route("/v1/models", _models(state), methods=["GET"]),
+        Route("/health", _health(state), methods=["GET"]),
+        Route("/metrics", _metrics(state), methods=["GET"]),
+        Route("/reset_prefix_cache", _reset(state), methods=["POST"]),
+        Route("/_sim/nixl/handshake", _handshake(state), methods=["GET"]),
+        Route("/_sim/nixl/read", _read(state), methods=["POST"]),
+        Route("/_sim/nixl/notify", _notify(state), methods=["POST"]),
+        Route("/_sim/faults", _faults(state), methods=["GET", "POST"]),
+        Route("/_sim/state", _state(state), methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.sim = state
+    return app
+
+
+Handler = Any
+
+
+def _guard(fn: Handler) -> Handler:
+    """Turn :class:`EngineError` into OpenAI's error shape (never a traceback)."""
+
+    async def handler(request: Request) -> Response:
+        try:
+            response: Response = await fn(request)
+            return response
+        except EngineError as exc:
+            return _error(exc.status, exc.message, exc.param)
+
+    return handler
+
+
+def _generate(state: SimState, *, chat: bool) -> Handler:
+    r, engine, faults = state.renderer, state.engine, state.faults
+
+    async def handler(request: Request) -> Response:
+        body = await _json_body(request)
+        model = body.get("model")
+        if model is not None and model != state.config.served_model_name:
+            raise EngineError(404, f"The model `{model}` does not exist.", param="model")
+        if faults.delay_s:
+            await asyncio.sleep(faults.delay_s)
+        if faults.take_failure():
+            raise EngineError(faults.fail_status, faults.fail_message)
+        base_id = request.headers.get(HEADER_REQUEST_ID)
+        plan = plan_chat(r, body, base_id) if chat else plan_completion(r, body, base_id)
+        events = engine.run(plan.gen).__aiter__()
+        first = await events.__anext__()  # prefill; raises EngineError before any byte
+        assert isinstance(first, Scheduled)
+        headers = {
+            HEADER_SIM_WRONG_KV_TOKENS: str(first.wrong_kv_tokens),
+            HEADER_SIM_MODEL_TTFT_MS: f"{first.model_ttft_s * 1000:.3f}",
+        }
+        if plan.stream:
+            with_handle = state.config.compat != "0.32"  # 0.32 puts no handle on streams
+            return StreamingResponse(
+                _stream(r, plan, first, events, with_handle, faults),
+                media_type="text/event-stream",
+                headers=headers,
+            )
+        fin: Finished | None = None
+        async for event in events:
+            if isinstance(event, Finished):
+                fin = event
+        assert fin is not None
+        return JSONResponse(full_response(r, plan, first, fin), headers=headers)
+
+    return _guard(handler)
+
+
+async def _stream(
+    r: Renderer,
+    plan: Plan,
+    sched: Scheduled,
+    events: AsyncIterator[Scheduled | int | Finished],
+    with_handle: bool,
+    faults: Faults,
+) -> AsyncIterator[bytes]:
+    writer = StreamWriter(r, plan, with_handle=with_handle)
+    cut = faults.cut_stream_after
+    try:
+        for chunk in writer.first():
+            yield chunk
+        count = 0
+        async for event in events:
+            if isinstance(event, Finished):
+                for chunk in writer.finish(sched, event):
+                    yield chunk
+            elif isinstance(event, int):
+                count += 1
+                for chunk in writer.token(event):
+                    yield chunk
+                if cut is not None and count >= cut:
+                    raise ConnectionAbortedError("fault: stream cut")
+    finally:
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+def _tokenize(state: SimState) -> Handler:
+    r = state.renderer
+
+    async def handler(request: Request) -> Response:
+        body = await _json_body(request)
+        if "messages" in body:
+            text = r.render_chat(body)
+            ids = r.tokenizer.encode(text, add_special_tokens=bool(body.get("add_special_tokens", False)))
+        elif isinstance(body.get("prompt"), str):
+            ids = r.tokenizer.encode(body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True)))
+        else:
+            raise EngineError(400, "Either `prompt` (a string) or `messages` is required.")
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": state.config.max_model_len, "tokens": ids}
+        if body.get("return_token_strs"):
+            out["token_strs"] = [r.tokenizer.id_to_token(t) for t in ids]
+        return JSONResponse(out)
+
+    return _guard(handler)
+
+
+def _detokenize(state: SimState) -> Handler:
+    r = state.renderer
+
+    async def handler(request: Request) -> Response:
+        body = await _json_body(request)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise EngineError(400, "`tokens` must be a list of token ids.", param="tokens")
+        for t in tokens:
+            if not r.tokenizer.is_valid_id(t):
+                raise EngineError(400, f"Token id {t} is out of vocabulary", param="tokens")
+        return JSONResponse({"prompt": r.tokenizer.decode(tokens)})
+
+    return _guard(handler)
+
+
+def _models(state: SimState) -> Handler:
+    async def handler(request: Request) -> Response:
+        cfg = state.config
+        card = {
+            "id": cfg.served_model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "vllm",
+            "root": cfg.served_model_name,
+            "parent": None,
+            "max_model_len": cfg.max_model_len,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    return handler
+
+
+def _health(state: SimState) -> Handler:
+    async def handler(request: Request) -> Response:
+        return Response(status_code=state.faults.health_status)
+
+    return handler
+
+
+def _metrics(state: SimState) -> Handler:
+    async def handler(request: Request) -> Response:
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return handler
+
+
+def _reset(state: SimState) -> Handler:
+    async def handler(request: Request) -> Response:
+        state.engine.pool.reset_prefix_cache()
+        return Response(status_code=200)
+
+    return handler
+
+
+def _handshake(state: SimState) -> Handler:
+    async def handler(request: Request) -> Response:
+        return JSONResponse(state.engine.handshake())
+
+    return handler
+
+
+def _read(state: SimState) -> Handler:
+    async def handler(request: Request) -> Response:
+        body = await _json_body(request)
+        request_id, block_ids = body.get("request_id"), body.get("block_ids")
+        if not isinstance(request_id, str) or not isinstance(block_ids, list):
+            raise EngineError(400, "`request_id` and `block_ids` are required.")
+        try:
+            blocks = state.engine.serve_read(request_id, [int(b) for b in block_ids])
+        except KeyError:
+            raise EngineError(410, f"No KV blocks held for request {request_id}.") from None
+        await state.engine.reap()
+        return JSONResponse({"blocks": blocks})
+
+    return _guard(handler)
+
+
+def _notify(state: SimState) -> Handler:
+    async def handler(request: Request) -> Response:
+        body = await _json_body(request)
+        request_id = body.get("request_id")
+        if not isinstance(request_id, str):
+            raise EngineError(400, "`request_id` is required.")
+        return JSONResponse({"freed": state.engine.serve_notify(request_id)})
+
+    return _guard(handler)
+
+
+def _faults(state: SimState) -> Handler:
+    async def handler(request: Request) -> Response:
+        if request.method == "POST":
+            body = await _json_body(request)
+            try:
+                update = Faults.model_validate({**state.faults.model_dump(), **body})
+            except ValidationError as exc:
+                raise EngineError(400, f"Invalid fault knobs: {exc}") from exc
+            for name in Faults.model_fields:
+                setattr(state.faults, name, getattr(update, name))
+            if update.exit_after_s is not None:
+                asyncio.get_running_loop().call_later(update.exit_after_s, os._exit, 1)
+        return JSONResponse(state.faults.model_dump())
+
+    return _guard(handler)
+
+
+def _state(state: SimState) -> Handler:
+    async def handler(request: Request) -> Response:
+        engine = state.engine
+        now = engine.clock.now()
+        retained = {
+            rid: {
+                "blocks": [b.block_id for b in held.blocks],
+                "for_next_turn": held.for_next_turn,
+                "expires_in_s": held.expires_at - now,
+            }
+            for rid, held in engine.retained.items()
+        }
+        return JSONResponse(
+            {
+                "engine_id": state.config.engine_id,
+                "role": state.config.role,
+                "blocks_used": engine.pool.num_used,
+                "blocks_total": engine.pool.num_usable,
+                "blocks_cached": engine.pool.num_cached,
+                "retained": retained,
+                "now": now,
+            }
+        )
+
+    return handler

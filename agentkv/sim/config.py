@@ -1,0 +1,71 @@
+"""The simulator's configuration: one engine instance, as ``agentkv sim`` flags describe it."""
+
+from __future__ import annotations
+
+import random
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = ["Compat", "Role", "SimConfig"]
+
+Role = Literal["prefill", "decode", "both"]
+Compat = Literal["0.33", "0.32"]
+
+
+class SimConfig(BaseModel):
+    """Everything one simulated vLLM instance needs. Durations are seconds (``*_s``/``ttl``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Role = "both"
+    """``prefill`` = vLLM ``kv_producer``, ``decode`` = ``kv_consumer``, ``both`` = plain server.
+    The connector acts on each request's ``kv_transfer_params`` as vLLM's does; the role only
+    names the instance (metrics, ``/v1/models``)."""
+    served_model_name: str = "agentkv-sim"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    template: str | None = None
+    """Path to a Jinja chat template; default: the tokenizer's own, else a Qwen3 template."""
+    tokenizer: str | None = None
+    """Path to a ``tokenizer.json`` (or its directory); default: the real Qwen3 vocabulary."""
+    block_size: int = Field(16, ge=1)
+    num_blocks: int = Field(16384, ge=2)
+    max_model_len: int = Field(131072, ge=16)
+    preset: str = "laptop"
+    """Cost model preset (``agentkv.sim.costmodel.PRESETS``)."""
+    time_scale: float = Field(1.0, ge=0.0)
+    """Multiplies every simulated delay; 0 means none."""
+    decoder_kv_blocks_ttl: float = Field(480.0, gt=0)
+    kv_lease_duration: float = Field(30.0, gt=0)
+    kv_recompute_threshold: int = Field(64, ge=0)
+    kv_load_failure_policy: Literal["fail", "recompute"] = "fail"
+    bidirectional_kv_xfer: bool = True
+    prefix_caching: bool = True
+    prompt_tokens_details: bool = True
+    compat: Compat = "0.33"
+    """``0.32`` reproduces the rough edges measured on real vLLM 0.32 (see docs/simulator.md)."""
+    engine_id: str = Field(default_factory=lambda: str(uuid.uuid4()))
+    side_channel_host: str = "localhost"
+    """What the handle's ``remote_host`` says (vLLM: ``VLLM_NIXL_SIDE_CHANNEL_HOST``)."""
+    side_channel_port: int | None = None
+    """What the handle's ``remote_port`` says; default: this instance's HTTP port (the simulator
+    serves its transfer endpoints there)."""
+    clock_offset_s: float = Field(default_factory=lambda: random.uniform(1_000.0, 100_000.0))
+    """Origin of this instance's private ``perf_counter`` clock (handles' expiry times use it)."""
+    seed: int = 0
+    tool_format: Literal["auto", "hermes", "qwen3_coder", "none"] = "auto"
+    reasoning_parser: bool = True
+    max_output_tokens_default: int = Field(48, ge=1)
+    """Upper bound of a generated answer's natural length when the request sets no limit."""
+
+    @model_validator(mode="after")
+    def _check(self) -> SimConfig:
+        if self.max_model_len < self.block_size:
+            raise ValueError("max_model_len must be at least one block")
+        return self
+
+    @property
+    def advertised_port(self) -> int:
+        return self.side_channel_port if self.side_channel_port is not None else self.port
