@@ -44,8 +44,8 @@ def sim(
     host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
     template: Annotated[Optional[str], typer.Option(help="Jinja chat template file.")] = None,  # noqa: UP045
     tokenizer: Annotated[
-        Optional[str], typer.Option(help="tokenizer.json (or its directory).")
-    ] = None,  # noqa: UP045
+        str | None, typer.Option(help="tokenizer.json (or its directory).")
+    ] = None,
     block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
     num_blocks: Annotated[
         int, typer.Option(help="KV blocks in the pool (block 0 is reserved).")

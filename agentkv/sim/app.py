@@ -24,14 +24,26 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from agentkv.protocol import HEADER_REQUEST_ID, HEADER_SIM_MODEL_TTFT_MS, HEADER_SIM_WRONG_KV_TOKENS, error_body
+from agentkv.protocol import (
+    HEADER_REQUEST_ID,
+    HEADER_SIM_MODEL_TTFT_MS,
+    HEADER_SIM_WRONG_KV_TOKENS,
+    error_body,
+)
 from agentkv.sim.clock import Clock
 from agentkv.sim.config import SimConfig
 from agentkv.sim.costmodel import PRESETS, CostModel
 from agentkv.sim.engine import Engine, EngineError, Finished, Scheduled
 from agentkv.sim.faults import Faults
 from agentkv.sim.metrics import SimMetrics
-from agentkv.sim.serving import Plan, Renderer, StreamWriter, full_response, plan_chat, plan_completion
+from agentkv.sim.serving import (
+    Plan,
+    Renderer,
+    StreamWriter,
+    full_response,
+    plan_chat,
+    plan_completion,
+)
 from agentkv.sim.template import ChatTemplate, load_template
 from agentkv.sim.tokenizer import SimTokenizer, load_tokenizer
 from agentkv.sim.transfer import TransferClient
@@ -233,12 +245,20 @@ def _tokenize(state: SimState) -> Handler:
         body = await _json_body(request)
         if "messages" in body:
             text = r.render_chat(body)
-            ids = r.tokenizer.encode(text, add_special_tokens=bool(body.get("add_special_tokens", False)))
+            ids = r.tokenizer.encode(
+                text, add_special_tokens=bool(body.get("add_special_tokens", False))
+            )
         elif isinstance(body.get("prompt"), str):
-            ids = r.tokenizer.encode(body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True)))
+            ids = r.tokenizer.encode(
+                body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True))
+            )
         else:
             raise EngineError(400, "Either `prompt` (a string) or `messages` is required.")
-        out: dict[str, Any] = {"count": len(ids), "max_model_len": state.config.max_model_len, "tokens": ids}
+        out: dict[str, Any] = {
+            "count": len(ids),
+            "max_model_len": state.config.max_model_len,
+            "tokens": ids,
+        }
         if body.get("return_token_strs"):
             out["token_strs"] = [r.tokenizer.id_to_token(t) for t in ids]
         return JSONResponse(out)
@@ -252,7 +272,9 @@ def _detokenize(state: SimState) -> Handler:
     async def handler(request: Request) -> Response:
         body = await _json_body(request)
         tokens = body.get("tokens")
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in tokens
+        ):
             raise EngineError(400, "`tokens` must be a list of token ids.", param="tokens")
         for t in tokens:
             if not r.tokenizer.is_valid_id(t):
@@ -288,7 +310,9 @@ def _health(state: SimState) -> Handler:
 
 def _metrics(state: SimState) -> Handler:
     async def handler(request: Request) -> Response:
-        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(
+            state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
 
     return handler
 

@@ -79,15 +79,23 @@ class _Router:
         started = time.perf_counter()
         kv: dict[str, Any] = dict(handle) if handle else {"do_remote_decode": True}
         kv["prompt_token_ids"] = ids
-        p_body = {"messages": [{"role": "user", "content": "-"}], "max_tokens": 1,
-                  "kv_transfer_params": kv}
+        p_body = {
+            "messages": [{"role": "user", "content": "-"}],
+            "max_tokens": 1,
+            "kv_transfer_params": kv,
+        }
         p = self.client.post(f"{self.p.url}/v1/chat/completions", json=p_body)
         p.raise_for_status()
         wrong = int(p.headers.get(HEADER_SIM_WRONG_KV_TOKENS, "0"))
         cached = int(p.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
         d_kv = dict(p.json()["kv_transfer_params"], prompt_token_ids=ids)
-        d_body = {"messages": [{"role": "user", "content": "-"}], "max_tokens": max_tokens,
-                  "stream": True, "return_token_ids": True, "kv_transfer_params": d_kv}
+        d_body = {
+            "messages": [{"role": "user", "content": "-"}],
+            "max_tokens": max_tokens,
+            "stream": True,
+            "return_token_ids": True,
+            "kv_transfer_params": d_kv,
+        }
         out: dict[str, Any] = {"token_ids": [], "kv_transfer_params": None}
         ttft = 0.0
         with self.client.stream("POST", f"{self.d.url}/v1/chat/completions", json=d_body) as r:
@@ -107,7 +115,9 @@ class _Router:
         return out, cached, ttft, wrong
 
 
-def _verified(handle: dict[str, Any] | None, held: list[int], prompt: list[int]) -> tuple[dict[str, Any] | None, str]:
+def _verified(
+    handle: dict[str, Any] | None, held: list[int], prompt: list[int]
+) -> tuple[dict[str, Any] | None, str]:
     """Trim ``handle`` to the blocks whose tokens the new prompt starts with."""
     if handle is None:
         return None, "miss"
@@ -128,11 +138,22 @@ def run_demo(*, turns: int = 4, time_scale: float = 1.0, console: Console | None
     """Run the demo; returns a process exit code (0 when every claim held)."""
     console = console or Console()
     turns = max(2, min(turns, len(QUESTIONS)))
-    common = ["--preset", "qwen3-32b-p5en", "--time-scale", str(time_scale),
-              "--block-size", str(BLOCK), "--kv-load-failure-policy", "recompute"]
-    console.print("[bold]agentkv demo[/]: starting a simulated prefill and decode engine on 127.0.0.1 …")
-    sims = start_sims([["--role", "prefill", "--no-prefix-caching", *common],
-                       ["--role", "decode", *common]])
+    common = [
+        "--preset",
+        "qwen3-32b-p5en",
+        "--time-scale",
+        str(time_scale),
+        "--block-size",
+        str(BLOCK),
+        "--kv-load-failure-policy",
+        "recompute",
+    ]
+    console.print(
+        "[bold]agentkv demo[/]: starting a simulated prefill and decode engine on 127.0.0.1 …"
+    )
+    sims = start_sims(
+        [["--role", "prefill", "--no-prefix-caching", *common], ["--role", "decode", *common]]
+    )
     p, d = sims
     try:
         with httpx.Client(timeout=60, trust_env=False) as client:
@@ -170,31 +191,50 @@ def _script(router: _Router, console: Console, turns: int) -> int:
 
     # History rewritten: a summary replaces the first exchange; the old handle is stale.
     summary = router.tokenize_chat(
-        [{"role": "system", "content": SYSTEM},
-         {"role": "user", "content": "(summary) We listed the KV transfer modules."}]
+        [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "(summary) We listed the KV transfer modules."},
+        ]
     )
     rewritten = summary + held[len(prompts[1]) :] if len(prompts) > 1 else summary
-    _, cached_bad, _, wrong_bad = router.turn(rewritten, handle)
+    # Verified first: the unverified read poisons P's output and then D's prefix cache too.
     attach, _ = _verified(second_handle, held, rewritten)
     _, cached_ok, _, wrong_ok = router.turn(rewritten, attach)
+    _, cached_bad, _, wrong_bad = router.turn(rewritten, handle)
 
     table = Table(title="multi-turn agent, simulated Qwen3-32B 1P1D (P prefix caching off)")
-    for col in ("turn", "prompt tokens", "decision", "reused tokens", "TTFT ms (reuse)",
-                "TTFT ms (recompute)", "wrong-KV tokens"):
+    for col in (
+        "turn",
+        "prompt tokens",
+        "decision",
+        "reused tokens",
+        "TTFT ms (reuse)",
+        "TTFT ms (recompute)",
+        "wrong-KV tokens",
+    ):
         table.add_column(col, justify="right")
     for a, b in zip(reuse_rows, base_rows, strict=True):
-        table.add_row(a.turn, str(a.prompt_tokens), a.decision, str(a.reused), f"{a.ttft_ms:.0f}",
-                      f"{b.ttft_ms:.0f}", str(a.wrong_kv))
+        table.add_row(
+            a.turn,
+            str(a.prompt_tokens),
+            a.decision,
+            str(a.reused),
+            f"{a.ttft_ms:.0f}",
+            f"{b.ttft_ms:.0f}",
+            str(a.wrong_kv),
+        )
     console.print(table)
     hazard = Table(title="history rewritten (summary), old handle still held by D")
-    for col in ("router", "reused tokens", "wrong-KV tokens"):
+    for col in ("router", "reused tokens", "wrong-KV tokens (P + D)"):
         hazard.add_column(col, justify="right")
-    hazard.add_row("unverified (vLLM example proxy)", str(cached_bad), f"[red]{wrong_bad}[/]")
     hazard.add_row("verified by token ids (agentkv)", str(cached_ok), f"[green]{wrong_ok}[/]")
+    hazard.add_row("unverified (vLLM example proxy)", str(cached_bad), f"[red]{wrong_bad}[/]")
     console.print(hazard)
     later = reuse_rows[1:]
     speedup = sum(b.ttft_ms for b in base_rows[1:]) / max(1e-9, sum(a.ttft_ms for a in later))
-    console.print(f"turns 2-{turns}: reuse TTFT is {speedup:.1f}x faster than recompute on these engines.")
+    console.print(
+        f"turns 2-{turns}: reuse TTFT is {speedup:.1f}x faster than recompute on these engines."
+    )
     ok = all(r.wrong_kv == 0 for r in reuse_rows) and wrong_bad > 0 and wrong_ok == 0
     if not ok:
         console.print("[red]demo check failed: wrong-KV counts are not as expected[/]")

@@ -31,6 +31,7 @@ NIXL.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -395,9 +396,7 @@ class Engine:
             # D recomputes the last prompt token (``_update_waiting_for_remote_kv``).
             model_s += self.cost.decode_s(1, n)
 
-        wrong = count_wrong_tokens(
-            prompt, [b.content for b in state.blocks], bs, n, req.cache_salt
-        )
+        wrong = count_wrong_tokens(prompt, [b.content for b in state.blocks], bs, n, req.cache_salt)
         if wrong:
             self.metrics.wrong_kv_tokens.inc(wrong)
             self.metrics.wrong_kv_requests.inc()
@@ -423,10 +422,8 @@ class Engine:
                 if self._shutdown.is_set():
                     raise EngineError(503, "The engine is shutting down.") from None
                 async with self._blocks_freed:
-                    try:
+                    with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self._blocks_freed.wait(), timeout=0.25)
-                    except asyncio.TimeoutError:
-                        pass
                 await self.reap()
 
     async def _hang(self, state: _Running) -> None:
@@ -497,7 +494,9 @@ class Engine:
             block.content = _truncate(held, taken)
         return want, transfer_s, "pull"
 
-    async def _read_failed(self, state: _Running, decision: str = "failed") -> tuple[int, float, str]:
+    async def _read_failed(
+        self, state: _Running, decision: str = "failed"
+    ) -> tuple[int, float, str]:
         if self.config.kv_load_failure_policy == "fail":
             raise EngineError(500, "Internal server error", param=None)
         return 0, 0.0, decision

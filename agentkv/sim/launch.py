@@ -52,7 +52,9 @@ def _wait_healthy(sim: SimProcess, timeout_s: float) -> None:
     with httpx.Client(trust_env=False) as client:
         while time.monotonic() < deadline:
             if sim.process.poll() is not None:
-                raise RuntimeError(f"agentkv sim on port {sim.port} exited with {sim.process.returncode}")
+                raise RuntimeError(
+                    f"agentkv sim on port {sim.port} exited with {sim.process.returncode}"
+                )
             with contextlib.suppress(httpx.HTTPError):
                 if client.get(f"{sim.url}/health", timeout=1.0).status_code == 200:
                     return
@@ -66,7 +68,9 @@ def start_sim(
     *args: str, port: int | None = None, timeout_s: float = 60.0, quiet: bool = True
 ) -> Iterator[SimProcess]:
     """Run ``agentkv sim --port PORT *args`` until the block exits."""
-    sims = start_sims([list(args)], ports=[port] if port else None, timeout_s=timeout_s, quiet=quiet)
+    sims = start_sims(
+        [list(args)], ports=[port] if port else None, timeout_s=timeout_s, quiet=quiet
+    )
     try:
         yield sims[0]
     finally:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +30,7 @@ from agentkv.sim.outputs import (
 from agentkv.sim.template import ChatTemplate, TemplateError
 from agentkv.sim.tokenizer import SimTokenizer
 
-__all__ = ["Plan", "Renderer", "sse", "plan_chat", "plan_completion"]
+__all__ = ["Plan", "Renderer", "plan_chat", "plan_completion", "sse"]
 
 
 def sse(data: dict[str, Any] | str) -> bytes:
@@ -54,6 +54,9 @@ class Plan:
     prompt_ends_in_think: bool
     remote_cached_tokens: int | None
     """On D: P's ``remote_prefill_cached_tokens`` (what D reports as ``cached_tokens``)."""
+    thinking: bool = True
+    seed: int = 0
+    tool_choice: str = "auto"
     stop_reason: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -90,22 +93,27 @@ class Renderer:
             raise EngineError(400, "`chat_template_kwargs` must be an object.")
         template = self.template
         if isinstance(body.get("chat_template"), str):
-            template = ChatTemplate(body["chat_template"], name="request")
+            special = self.tokenizer.special_tokens_map
+            template = ChatTemplate(body["chat_template"], name="request", special_tokens=special)
         tools = body.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise EngineError(400, "`tools` must be a list.", param="tools")
         try:
-            return template.render(
+            return template.render_request(
                 messages,
                 tools=tools,
                 add_generation_prompt=bool(add_gen),
                 continue_final_message=bool(cont),
-                bos_token=self.tokenizer.bos_token,
-                eos_token=self.tokenizer.eos_token,
                 **kwargs,
             )
         except TemplateError as exc:
             raise EngineError(400, f"Chat template error: {exc}", param="messages") from exc
+        except ValueError as exc:
+            raise EngineError(400, str(exc), param="messages") from exc
 
-    def chat_prompt_ids(self, body: dict[str, Any], kv: dict[str, Any] | None) -> tuple[list[int], bool]:
+    def chat_prompt_ids(
+        self, body: dict[str, Any], kv: dict[str, Any] | None
+    ) -> tuple[list[int], bool]:
         """The prompt ids of a chat request and whether the prompt opens a reasoning block."""
         ids = kv.pop("prompt_token_ids", None) if kv is not None else None
         if ids is not None and not body.get("echo"):
@@ -141,8 +149,10 @@ class Renderer:
             return self.tokenizer.encode(
                 prompt, add_special_tokens=bool(body.get("add_special_tokens", True))
             )
-        if isinstance(prompt, list) and prompt and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        if (
+            isinstance(prompt, list)
+            and prompt
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
         ):
             return list(prompt)
         raise EngineError(
@@ -160,22 +170,38 @@ class Renderer:
         *,
         chat: bool,
         max_tokens: int | None,
+        thinking: bool = True,
+        prompt_ends_in_think: bool = False,
     ) -> tuple[list[int], str | None]:
         """The tokens the model will emit, and the stop string that cut them (if any)."""
         script = _script(body)
         eos = self.eos_id
         end_with_eos = True
+        native = native_syntax_for(self.template.source)
+        reasons = chat and self.config.reasoning_parser and thinking
         if script is not None and script.text is not None:
             text = script.text
         elif script is not None:
-            text = render_script(script, native=native_syntax_for(self.template.source))
+            text = render_script(
+                script, native=native, thinking=reasons, prompt_ends_in_think=prompt_ends_in_think
+            )
         else:
             seed = _seed(body, prompt_ids)
             chars = 8 * self.config.max_output_tokens_default
-            text = generate_text(seed, max_chars=chars)
-            ids = self.tokenizer.encode(text)
+            ids = self.tokenizer.encode(generate_text(seed, max_chars=chars))
             natural = 8 + seed % max(1, self.config.max_output_tokens_default - 8)
-            text = self.tokenizer.decode(ids[:natural])
+            content = self.tokenizer.decode(ids[:natural])
+            if reasons:
+                thought = self.tokenizer.decode(ids[natural : natural + natural // 2])
+                generated = SimScript(reasoning=thought.strip(), content=content)
+                text = render_script(
+                    generated,
+                    native=native,
+                    thinking=True,
+                    prompt_ends_in_think=prompt_ends_in_think,
+                )
+            else:
+                text = content
         if script is not None and script.finish_reason == "length":
             end_with_eos = False
         ids = self.tokenizer.encode(text)
@@ -194,7 +220,9 @@ class Renderer:
         if isinstance(stops, str):
             stops = [stops]
         if isinstance(stops, list) and stops:
-            ids, stop_reason = _cut_at_stop(self.tokenizer, ids, [s for s in stops if isinstance(s, str) and s])
+            ids, stop_reason = _cut_at_stop(
+                self.tokenizer, ids, [s for s in stops if isinstance(s, str) and s]
+            )
             if stop_reason is not None:
                 end_with_eos = False
         if end_with_eos and eos is not None:
@@ -214,7 +242,9 @@ def _script(body: dict[str, Any]) -> SimScript | None:
     try:
         return SimScript.model_validate(raw)
     except ValidationError as exc:
-        raise EngineError(400, f"Invalid `{BODY_SIM_SCRIPT}`: {exc}", param=BODY_SIM_SCRIPT) from exc
+        raise EngineError(
+            400, f"Invalid `{BODY_SIM_SCRIPT}`: {exc}", param=BODY_SIM_SCRIPT
+        ) from exc
 
 
 def _seed(body: dict[str, Any], prompt_ids: Sequence[int]) -> int:
@@ -230,7 +260,9 @@ def _opens_think(text: str) -> bool:
     return stripped.endswith("<think>")
 
 
-def _cut_at_stop(tok: SimTokenizer, ids: list[int], stops: list[str]) -> tuple[list[int], str | None]:
+def _cut_at_stop(
+    tok: SimTokenizer, ids: list[int], stops: list[str]
+) -> tuple[list[int], str | None]:
     text = tok.decode(ids, skip_special_tokens=True)
     best: tuple[int, str] | None = None
     for s in stops:
@@ -259,7 +291,9 @@ def _int_field(body: dict[str, Any], *names: str) -> int | None:
 def _common(body: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
     kv = body.get("kv_transfer_params")
     if kv is not None and not isinstance(kv, dict):
-        raise EngineError(400, "`kv_transfer_params` must be an object.", param="kv_transfer_params")
+        raise EngineError(
+            400, "`kv_transfer_params` must be an object.", param="kv_transfer_params"
+        )
     n = body.get("n", 1)
     if n not in (None, 1):
         raise EngineError(400, "The simulator serves n=1 only.", param="n")
@@ -269,18 +303,30 @@ def _common(body: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
     return (dict(kv) if kv is not None else None), salt
 
 
-def _plan(
-    r: Renderer, body: dict[str, Any], *, chat: bool, request_id: str
-) -> Plan:
+def _plan(r: Renderer, body: dict[str, Any], *, chat: bool, request_id: str) -> Plan:
     kv, salt = _common(body)
     if chat:
         prompt_ids, ends_in_think = r.chat_prompt_ids(body, kv)
     else:
         prompt_ids, ends_in_think = r.completion_prompt_ids(body), False
-    max_tokens = _int_field(body, "max_completion_tokens", "max_tokens") if chat else _int_field(body, "max_tokens")
+    max_tokens = (
+        _int_field(body, "max_completion_tokens", "max_tokens")
+        if chat
+        else _int_field(body, "max_tokens")
+    )
     if not chat and max_tokens is None:
         max_tokens = 16  # OpenAI's completions default, which vLLM keeps
-    out, stop_reason = r.output_ids(body, prompt_ids, chat=chat, max_tokens=max_tokens)
+    kwargs = body.get("chat_template_kwargs") or {}
+    thinking = bool(kwargs.get("enable_thinking", kwargs.get("thinking", True)))
+    out, stop_reason = r.output_ids(
+        body,
+        prompt_ids,
+        chat=chat,
+        max_tokens=max_tokens,
+        thinking=thinking,
+        prompt_ends_in_think=ends_in_think,
+    )
+    tool_choice = body.get("tool_choice", "auto")
     stream = bool(body.get("stream"))
     opts = body.get("stream_options") or {}
     tools = body.get("tools") if isinstance(body.get("tools"), list) else None
@@ -305,10 +351,13 @@ def _plan(
         stream=stream,
         include_usage=bool(isinstance(opts, dict) and opts.get("include_usage")),
         return_token_ids=bool(body.get("return_token_ids")),
-        parse_tools=bool(tools) and body.get("tool_choice", "auto") != "none",
+        parse_tools=bool(tools) and tool_choice != "none",
         tools=tools,
         prompt_ends_in_think=ends_in_think,
         remote_cached_tokens=remote_cached,
+        thinking=thinking,
+        seed=_seed(body, prompt_ids),
+        tool_choice="none" if tool_choice == "none" else "auto",
         stop_reason=stop_reason,
     )
 
@@ -335,7 +384,11 @@ def usage(r: Renderer, plan: Plan, sched: Scheduled, completion_tokens: int) -> 
         "prompt_tokens_details": None,
     }
     if r.config.prompt_tokens_details:
-        cached = plan.remote_cached_tokens if plan.remote_cached_tokens is not None else sched.cached_tokens
+        cached = (
+            plan.remote_cached_tokens
+            if plan.remote_cached_tokens is not None
+            else sched.cached_tokens
+        )
         out["prompt_tokens_details"] = {"cached_tokens": cached}
     return out
 
@@ -346,21 +399,25 @@ def _finish_reason(plan: Plan, fin: Finished, has_tools: bool) -> str:
     return fin.finish_reason
 
 
+def _parse_kwargs(r: Renderer, plan: Plan) -> dict[str, Any]:
+    return {
+        "reasoning": r.config.reasoning_parser,
+        "thinking": plan.thinking,
+        "tool_format": r.config.tool_format if plan.parse_tools else "none",
+        "tools": plan.tools,
+        "seed": plan.seed,
+    }
+
+
 def _message(r: Renderer, plan: Plan, ids: Sequence[int]) -> tuple[dict[str, Any], bool]:
     text = r.tokenizer.decode(ids, skip_special_tokens=True)
-    parsed = parse_output(
-        text,
-        reasoning=r.config.reasoning_parser,
-        tool_format=r.config.tool_format if plan.parse_tools else "none",
-        prompt_ends_in_think=plan.prompt_ends_in_think,
-        tools=plan.tools,
-    )
-    msg: dict[str, Any] = {"role": "assistant", "content": parsed.content, "refusal": None}
-    if parsed.reasoning is not None:
-        msg["reasoning"] = parsed.reasoning
-        msg["reasoning_content"] = parsed.reasoning
-    else:
-        msg["reasoning"] = None
+    parsed = parse_output(text, **_parse_kwargs(r, plan))
+    msg: dict[str, Any] = {
+        "role": "assistant",
+        "content": parsed.content,
+        "refusal": None,
+        "reasoning": parsed.reasoning,
+    }
     if parsed.tool_calls:
         msg["tool_calls"] = [
             {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
@@ -411,14 +468,22 @@ def full_response(r: Renderer, plan: Plan, sched: Scheduled, fin: Finished) -> d
 
 
 class StreamWriter:
-    """Turns engine tokens into vLLM's SSE chunks for one request."""
+    """Turns engine tokens into vLLM's SSE chunks for one request.
+
+    The simulated model's output is known when the request is planned, so the chat deltas
+    (reasoning, content, tool calls as vLLM's parsers stream them) are computed once up front
+    and sent token by token as the engine releases each token.
+    """
 
     def __init__(self, r: Renderer, plan: Plan, *, with_handle: bool) -> None:
         self.r, self.plan, self.with_handle = r, plan, with_handle
-        self.ids: list[int] = []
-        self.pieces: list[str] = []
-        self._sent_text = ""
         self.id = plan.gen.request_id.rsplit("-", 1)[0]
+        self.count = 0
+        emitted = _emitted(plan.gen)
+        self.pieces = _pieces(r.tokenizer, emitted)
+        self.deltas: list[dict[str, Any] | None] = (
+            stream_deltas(self.pieces, **_parse_kwargs(r, plan)) if plan.chat else []
+        )
 
     def _chunk(self, choice: dict[str, Any] | None, **extra: Any) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.plan.chat else "text_completion"
@@ -449,42 +514,41 @@ class StreamWriter:
         return [sse(self._chunk(choice, **extra))]
 
     def token(self, token_id: int) -> list[bytes]:
-        self.ids.append(token_id)
-        text = self.r.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            piece = ""  # hold back an incomplete UTF-8 character, as vLLM's detokenizer does
-        else:
-            piece = text[len(self._sent_text) :]
-            self._sent_text = text
-        self.pieces.append(piece)
+        i = self.count
+        self.count += 1
+        ids = [token_id] if self.plan.return_token_ids else None
         if self.plan.chat:
-            return []  # chat deltas need the parser's view: built in ``finish`` order-preserving
-        choice: dict[str, Any] = {
-            "index": 0,
-            "text": piece,
-            "logprobs": None,
-            "finish_reason": None,
-            "stop_reason": None,
-        }
-        if self.plan.return_token_ids:
-            choice["token_ids"] = [token_id]
-            if len(self.ids) == 1:
+            delta = self.deltas[i] if i < len(self.deltas) else None
+            if delta is None and ids is None:
+                return []
+            choice: dict[str, Any] = {
+                "index": 0,
+                "delta": delta or {},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+        else:
+            choice = {
+                "index": 0,
+                "text": self.pieces[i] if i < len(self.pieces) else "",
+                "logprobs": None,
+                "finish_reason": None,
+                "stop_reason": None,
+            }
+            if i == 0 and self.plan.return_token_ids:
                 choice["prompt_token_ids"] = list(self.plan.gen.prompt_ids)
+        if ids is not None:
+            choice["token_ids"] = ids
         return [sse(self._chunk(choice))]
-
-    def chat_deltas_upto(self, count: int) -> list[bytes]:
-        """Chat deltas for tokens not yet sent (see :meth:`pending_chat`)."""
-        return []
 
     def finish(self, sched: Scheduled, fin: Finished) -> list[bytes]:
         out: list[bytes] = []
         handle = fin.kv_transfer_params if self.with_handle else None
         if self.plan.chat:
-            out.extend(self._chat_body(fin))
             _, has_tools = _message(self.r, self.plan, fin.output_ids)
             choice: dict[str, Any] = {
                 "index": 0,
-                "delta": {"content": ""},
+                "delta": {},
                 "logprobs": None,
                 "finish_reason": _finish_reason(self.plan, fin, has_tools),
                 "stop_reason": self.plan.stop_reason,
@@ -499,17 +563,36 @@ class StreamWriter:
             }
         out.append(sse(self._chunk(choice, kv_transfer_params=handle)))
         if self.plan.include_usage:
-            out.append(sse(self._chunk(None, usage=usage(self.r, self.plan, sched, len(fin.output_ids)))))
+            out.append(
+                sse(self._chunk(None, usage=usage(self.r, self.plan, sched, len(fin.output_ids))))
+            )
         out.append(sse("[DONE]"))
         return out
 
-    def _chat_body(self, fin: Finished) -> list[bytes]:
-        return []
+
+def _emitted(gen: GenRequest) -> list[int]:
+    """The tokens the engine will release: up to the first stop token, within max_tokens."""
+    out: list[int] = []
+    for token in gen.output_ids:
+        if gen.max_tokens is not None and len(out) >= gen.max_tokens:
+            break
+        out.append(token)
+        if token in gen.stop_ids:
+            break
+    return out
 
 
-async def chat_stream_events(
-    r: Renderer, plan: Plan, events: AsyncIterator[Scheduled | int | Finished]
-) -> AsyncIterator[tuple[str, Any]]:
-    """Unused placeholder kept for symmetry."""
-    async for e in events:
-        yield ("event", e)
+def _pieces(tok: SimTokenizer, ids: Sequence[int]) -> list[str]:
+    """Each token's text as vLLM's incremental detokenizer releases it: a sliding window, and
+    an incomplete UTF-8 character held back until it completes."""
+    pieces: list[str] = []
+    prefix_offset = read_offset = 0
+    for k in range(1, len(ids) + 1):
+        prefix_text = tok.decode(ids[prefix_offset:read_offset], skip_special_tokens=True)
+        new_text = tok.decode(ids[prefix_offset:k], skip_special_tokens=True)
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            pieces.append(new_text[len(prefix_text) :])
+            prefix_offset, read_offset = read_offset, k
+        else:
+            pieces.append("")
+    return pieces

@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 
+from agentkv.promtext import parse_metrics
 from agentkv.sim import SimConfig, create_app
 from agentkv.sim.app import SimState
 from agentkv.sim.clock import ManualClock
@@ -56,23 +57,6 @@ class Cluster:
         return parse_metrics(text)
 
 
-def parse_metrics(text: str) -> dict[str, float]:
-    """``name`` or ``name[source]`` → value, summed over other labels."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        head, _, value = line.rpartition(" ")
-        name, _, labels = head.partition("{")
-        source = ""
-        for part in labels.rstrip("}").split(","):
-            if part.startswith("source="):
-                source = part.split("=", 1)[1].strip('"')
-        key = f"{name}[{source}]" if source else name
-        out[key] = out.get(key, 0.0) + float(value)
-    return out
-
-
 class _Router(httpx.AsyncBaseTransport):
     def __init__(self, apps: dict[int, Any]) -> None:
         self.apps = apps
@@ -90,9 +74,19 @@ def make_cluster(p: dict[str, Any] | None = None, d: dict[str, Any] | None = Non
     clock = SharedClock()
     client = httpx.AsyncClient(transport=_Router(apps), timeout=30)
     states = []
-    for port, role, origin, extra in ((P_PORT, "prefill", 5_000.0, p), (D_PORT, "decode", 90_000.0, d)):
+    for port, role, origin, extra in (
+        (P_PORT, "prefill", 5_000.0, p),
+        (D_PORT, "decode", 90_000.0, d),
+    ):
         cfg = SimConfig.model_validate(
-            {"role": role, "port": port, "time_scale": 0.0, "block_size": 16, "num_blocks": 512, **(extra or {})}
+            {
+                "role": role,
+                "port": port,
+                "time_scale": 0.0,
+                "block_size": 16,
+                "num_blocks": 512,
+                **(extra or {}),
+            }
         )
         app = create_app(
             cfg,

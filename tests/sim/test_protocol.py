@@ -11,7 +11,6 @@ import math
 from typing import Any
 
 import pytest
-
 from cluster import D_PORT, P_PORT, Cluster, make_cluster
 
 pytestmark = pytest.mark.anyio
@@ -44,7 +43,9 @@ async def decode(c: Cluster, ids: list[int], p_params: dict[str, Any], n_out: in
     return await c.post(D_PORT, "/v1/completions", body)
 
 
-async def turn1(c: Cluster, ids: list[int] = PROMPT, n_out: int = 40) -> tuple[list[int], dict[str, Any]]:
+async def turn1(
+    c: Cluster, ids: list[int] = PROMPT, n_out: int = 40
+) -> tuple[list[int], dict[str, Any]]:
     """P then D; returns D's output ids and D's handle."""
     p = await prefill(c, ids)
     assert p.status_code == 200, p.text
@@ -134,7 +135,7 @@ async def test_turn2_with_local_prefix_cache_pulls_only_the_delta():
 
 @pytest.mark.parametrize(
     ("threshold", "n_out", "pulls"),
-    [(64, 48, False), (64, 49, True), (0, 2, True), (64, 2, False)],
+    [(64, 56, False), (64, 57, True), (0, 2, True), (64, 2, False)],
     ids=["M=63<64", "M=64>=64", "threshold-0-disables", "tiny-M"],
 )
 async def test_recompute_threshold_edges(threshold, n_out, pulls):
@@ -162,9 +163,13 @@ async def test_release_only_handle_frees_d_without_reading():
     assert c.d.engine.retained == {}
 
 
-@pytest.mark.parametrize(("age", "declined"), [(480 - 5.01, False), (480 - 5.0, True)], ids=["before-margin", "at-margin"])
+@pytest.mark.parametrize(
+    ("age", "declined"),
+    [(480 - 5.01, False), (480 - 5.0, True)],
+    ids=["before-margin", "at-margin"],
+)
 async def test_expiry_margin_uses_clock_offset(age, declined):
-    c = make_cluster(p={"kv_load_failure_policy": "recompute"})
+    c = make_cluster(p={"kv_load_failure_policy": "recompute", "prefix_caching": False})
     out, handle = await turn1(c)
     c.clock.advance(age)
     before = await c.metrics(P_PORT)
@@ -176,7 +181,7 @@ async def test_expiry_margin_uses_clock_offset(age, declined):
 
 
 async def test_expired_read_under_fail_policy_is_http_500():
-    c = make_cluster(p={"kv_load_failure_policy": "fail"})
+    c = make_cluster(p={"kv_load_failure_policy": "fail", "prefix_caching": False})
     out, handle = await turn1(c)
     c.clock.advance(476)
     r = await prefill(c, PROMPT + out + TAIL, handle)
@@ -240,7 +245,11 @@ async def test_trimmed_handle_on_rewritten_history_is_exact():
     out, handle = await turn1(c)
     rewritten = PROMPT[:100] + [7] * 60 + PROMPT[160:] + out + TAIL
     k = 100 // BS
-    trimmed = {**handle, "remote_block_ids": [handle["remote_block_ids"][0][:k]], "remote_num_tokens": k * BS}
+    trimmed = {
+        **handle,
+        "remote_block_ids": [handle["remote_block_ids"][0][:k]],
+        "remote_num_tokens": k * BS,
+    }
     c2 = make_cluster(p={"kv_recompute_threshold": 0})
     c2.d, c2.apps[D_PORT] = c.d, c.apps[D_PORT]
     r = await prefill(c2, rewritten, trimmed)
@@ -292,8 +301,13 @@ async def test_streamed_decode_puts_handle_on_finish_chunk():
 async def test_compat_032_streams_carry_no_handle_but_d_still_pins_blocks():
     c = make_cluster(d={"compat": "0.32"})
     p = await prefill(c, PROMPT)
-    body = {"prompt": PROMPT, "max_tokens": 5, "ignore_eos": True, "stream": True,
-            "kv_transfer_params": p.json()["kv_transfer_params"]}
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": 5,
+        "ignore_eos": True,
+        "stream": True,
+        "kv_transfer_params": p.json()["kv_transfer_params"],
+    }
     r = await c.post(D_PORT, "/v1/completions", body)
     assert all(ch.get("kv_transfer_params") is None for ch in sse_chunks(r.text))
     assert len(c.d.engine.retained) == 1

@@ -1,0 +1,918 @@
+"""What the simulated model says, and how vLLM 0.33 parses it back into a chat message.
+
+Parsing follows vLLM 0.33's non-streaming chat path (``DelegatingParser.parse`` in
+``vllm/parser/abstract_parser.py``): a reasoning parser splits the raw output into reasoning and
+content, then a tool parser takes the tool calls out of the content.
+
+Reasoning parsers (``reasoning_parser``):
+
+* ``qwen3`` (``vllm/parser/qwen3.py``, the ``ParserEngine`` of
+  ``vllm/parser/engine/parser_engine.py`` behind ``Qwen3ParserReasoningAdapter``): output starts
+  in reasoning, whether or not the prompt ended with ``<think>``; ``<think>`` inside reasoning is
+  dropped, the first ``</think>`` ends reasoning and later ones are dropped, ``<tool_call>``
+  ends reasoning implicitly and stays in the content. Output with no ``</think>`` (truncated,
+  or a model that never thinks) is all reasoning. ``enable_thinking=False``
+  (``thinking=False`` here) returns the whole output as content. Nothing is stripped.
+* ``deepseek_r1`` (``vllm/reasoning/deepseek_r1_reasoning_parser.py`` and its base
+  ``BaseThinkingReasoningParser.extract_reasoning`` in ``vllm/reasoning/basic_parsers.py``):
+  text up to and including the first ``<think>`` is dropped, reasoning runs to the first
+  ``</think>`` (all of the rest when there is none; it may be ``""``), content is what follows.
+
+Tool parsers (``tool_format``):
+
+* ``hermes`` (``vllm/tool_parsers/hermes_tool_parser.py``): every ``<tool_call>{json}</tool_call>``
+  (or an unclosed ``<tool_call>{json}`` at the end) must hold a JSON object with a string
+  ``name`` and an ``arguments`` value, returned as ``json.dumps(arguments, ensure_ascii=False)``.
+  Content is the text before the first ``<tool_call>``; text after a call is lost. If any call
+  fails to parse, vLLM returns no tool calls and the content untouched, markup included.
+* ``qwen3_coder`` (``vllm/parser/qwen3.py`` through ``Qwen3ParserToolAdapter``): XML calls
+  ``<tool_call><function=NAME><parameter=K>V</parameter></function></tool_call>``; each value
+  loses one leading and one trailing newline and is a string unless the request's tool schema
+  types it (``ParserEngine._fix_arg_types`` with ``coerce_to_schema_type`` of
+  ``vllm/tool_parsers/utils.py``). An unclosed last parameter is dropped. With tool calls,
+  content is the text before the first call, stripped; text between and after calls is lost.
+  Without any, content is the output minus the tool-call markup.
+* ``auto``: ``qwen3_coder`` if the output contains ``<function=``, else ``hermes``.
+
+Tool-call ids look like vLLM's (``make_tool_call_id`` in
+``vllm/renderers/chat_utils/tool_call.py``: ``chatcmpl-tool-`` and 16 hex digits) but come
+from ``random.Random(seed)`` so that a simulator response is reproducible.
+
+vLLM 0.33 names the reasoning field ``reasoning`` in both the message and the stream delta
+(``ChatMessage`` and ``DeltaMessage``); ``reasoning_content`` is only accepted on input.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+from bisect import bisect_left, bisect_right
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import accumulate
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = [
+    "HERMES",
+    "QWEN3_CODER",
+    "NativeSyntax",
+    "ParsedOutput",
+    "ParsedToolCall",
+    "ReasoningParser",
+    "ScriptToolCall",
+    "SimScript",
+    "ToolChoice",
+    "ToolFormat",
+    "generate_text",
+    "join_deltas",
+    "native_syntax_for",
+    "parse_output",
+    "render_script",
+    "stream_deltas",
+]
+
+ToolFormat = Literal["auto", "hermes", "qwen3_coder", "none"]
+ReasoningParser = Literal["qwen3", "deepseek_r1"]
+ToolChoice = Literal["auto", "none"]
+
+THINK_START = "<think>"
+THINK_END = "</think>"
+TOOL_CALL_START = "<tool_call>"
+TOOL_CALL_END = "</tool_call>"
+FUNC_PREFIX = "<function="
+FUNC_END = "</function>"
+PARAM_START = "<parameter="
+PARAM_END = "</parameter>"
+CLOSE_ANGLE = ">"
+
+
+@dataclass(frozen=True)
+class ParsedToolCall:
+    id: str
+    name: str
+    arguments: str
+    """The JSON text of the arguments, as vLLM returns it."""
+
+
+@dataclass(frozen=True)
+class ParsedOutput:
+    reasoning: str | None
+    content: str | None
+    tool_calls: list[ParsedToolCall] = field(default_factory=list)
+
+
+# -- text that remembers where it came from --------------------------------------------------
+@dataclass(frozen=True)
+class _Text:
+    """A string cut out of the raw output, with each character's offset in the raw output."""
+
+    text: str
+    at: list[int]
+
+    @staticmethod
+    def whole(raw: str) -> _Text:
+        return _Text(raw, list(range(len(raw))))
+
+    def pick(self, spans: Iterable[tuple[int, int]]) -> _Text:
+        parts = list(spans)
+        at: list[int] = []
+        for start, end in parts:
+            at.extend(self.at[start:end])
+        return _Text("".join(self.text[start:end] for start, end in parts), at)
+
+    def cut(self, start: int, end: int) -> _Text:
+        return _Text(self.text[start:end], self.at[start:end])
+
+    def strip(self) -> _Text:
+        left = len(self.text) - len(self.text.lstrip())
+        right = len(self.text.rstrip())
+        return self.cut(left, max(left, right))
+
+
+_EMPTY = _Text("", [])
+
+
+@dataclass(frozen=True)
+class _Call:
+    name: str
+    arguments: str
+    name_at: int  # raw offset of the character after which vLLM knows the name
+    end_at: int  # raw offset of the call's last character
+
+
+@dataclass(frozen=True)
+class _Parsed:
+    reasoning: _Text | None
+    content: _Text | None
+    calls: list[_Call]
+
+
+# -- the lexer of vLLM's qwen3 parser engine -------------------------------------------------
+_QWEN3_TERMINALS = (
+    THINK_START,
+    THINK_END,
+    TOOL_CALL_START,
+    TOOL_CALL_END,
+    FUNC_PREFIX,
+    FUNC_END,
+    PARAM_START,
+    PARAM_END,
+    CLOSE_ANGLE,
+)
+# Leftmost, then longest, like vllm/parser/engine/incremental_lexer.py.
+_LEXER = re.compile("|".join(re.escape(t) for t in sorted(_QWEN3_TERMINALS, key=len, reverse=True)))
+
+
+def _lex(text: str) -> Iterator[tuple[str | None, int, int]]:
+    """(terminal or None for plain text, start, end) in order."""
+    pos = 0
+    for m in _LEXER.finditer(text):
+        if m.start() > pos:
+            yield None, pos, m.start()
+        yield m.group(), m.start(), m.end()
+        pos = m.end()
+    if pos < len(text):
+        yield None, pos, len(text)
+
+
+# -- reasoning -------------------------------------------------------------------------------
+def _qwen3_reasoning(out: _Text) -> tuple[_Text | None, _Text | None]:
+    """``Qwen3Parser.extract_reasoning`` with tool parsing skipped, as its adapter runs it."""
+    reasoning: list[tuple[int, int]] = []
+    content: list[tuple[int, int]] = []
+    in_reasoning = True
+    for term, start, end in _lex(out.text):
+        if term == THINK_END:
+            in_reasoning = False
+            continue
+        if term == THINK_START and in_reasoning:
+            continue
+        if term == TOOL_CALL_START:
+            in_reasoning = False
+        (reasoning if in_reasoning else content).append((start, end))
+    r, c = out.pick(reasoning), out.pick(content)
+    return (r if r.text else None), (c if c.text else None)
+
+
+def _r1_reasoning(out: _Text) -> tuple[_Text | None, _Text | None]:
+    """``BaseThinkingReasoningParser.extract_reasoning``."""
+    start = out.text.find(THINK_START)
+    body = start + len(THINK_START) if start >= 0 else 0
+    end = out.text.find(THINK_END, body)
+    if end < 0:
+        return out.cut(body, len(out.text)), None
+    content = out.cut(end + len(THINK_END), len(out.text))
+    return out.cut(body, end), (content if content.text else None)
+
+
+# -- hermes ----------------------------------------------------------------------------------
+_HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+_HERMES_NAME = re.compile(r'"name"\s*:\s*"([^"]+)"')
+
+
+def _hermes(content: _Text) -> tuple[list[_Call], _Text | None] | None:
+    """``Hermes2ProToolParser.extract_tool_calls``; None when it reports no tool call."""
+    text = content.text
+    if TOOL_CALL_START not in text:
+        return None
+    calls: list[_Call] = []
+    for m in _HERMES_CALL.finditer(text):
+        closed = m.group(1)
+        body, body_start = (closed, m.start(1)) if closed else (m.group(2) or "", m.start(2))
+        try:
+            obj = json.loads(body)
+        except (ValueError, RecursionError):
+            return None
+        if not isinstance(obj, dict) or "arguments" not in obj:
+            return None
+        name = obj.get("name")
+        if not isinstance(name, str):
+            return None
+        end_at = content.at[m.end() - 1]
+        named = _HERMES_NAME.search(body)
+        name_at = content.at[body_start + named.end() - 1] if named else end_at
+        arguments = json.dumps(obj["arguments"], ensure_ascii=False)
+        calls.append(_Call(name, arguments, name_at, end_at))
+    before = content.cut(0, text.find(TOOL_CALL_START))
+    return calls, (before if before.text else None)
+
+
+# -- qwen3_coder -----------------------------------------------------------------------------
+_PARAM = re.compile(
+    r"<\s*parameter\s*=\s*([^>]*)>(.*?)(?:<\s*/\s*parameter\s*>|(?=<\s*parameter\s*=))",
+    re.DOTALL,
+)
+_JSON_NAME = re.compile(r'"name"\s*:\s*"([^"]*)"')
+
+
+def _trim_wrapping_newlines(value: str) -> str:
+    value = value.removeprefix("\n")
+    return value.removesuffix("\n")
+
+
+def _qwen3_arguments(raw: str) -> str:
+    """``_qwen3_arg_converter(raw, partial=False)``."""
+    params: dict[str, object] = {}
+    for m in _PARAM.finditer(raw):
+        params[m.group(1)] = _trim_wrapping_newlines(m.group(2))
+    return json.dumps(params, ensure_ascii=False)
+
+
+@dataclass
+class _Slot:
+    name: str = ""
+    args: str = ""
+    name_sent: bool = False
+    name_at: int = -1
+    end_at: int = -1
+
+
+@dataclass
+class _Qwen3ToolPass:
+    """The qwen3 parser engine run from the content state over reasoning-free text
+    (``ParserEngine.extract_tool_calls_from_content``), reduced to what it returns."""
+
+    skip_reasoning: bool
+    suppress: bool
+    slots: list[_Slot] = field(default_factory=list)
+    before: list[tuple[int, int]] = field(default_factory=list)
+    deferred: list[tuple[int, int]] = field(default_factory=list)
+    seen_tool: bool = False
+
+    def text(self, start: int, end: int) -> None:
+        (self.deferred if self.seen_tool else self.before).append((start, end))
+
+    def call_start(self) -> None:
+        if not self.suppress:
+            self.slots.append(_Slot())
+            self.seen_tool = True
+
+    def name(self, value: str) -> None:
+        if not self.suppress and self.slots:
+            self.slots[-1].name += value
+            self.seen_tool = True
+
+    def arg(self, value: str, end: int) -> None:
+        if self.suppress or not self.slots:
+            return
+        self.seen_tool = True
+        slot = self.slots[-1]
+        slot.args += value
+        if slot.name_sent:
+            return
+        if not slot.name:
+            found = _JSON_NAME.search(slot.args)
+            if found is None or not found.group(1):
+                return
+            slot.name = found.group(1)
+        slot.name_sent, slot.name_at = True, end
+
+    def call_end(self, end: int) -> None:
+        if self.suppress or not self.slots:
+            return
+        self.seen_tool = True
+        slot = self.slots[-1]
+        if slot.end_at < 0:  # finishing after ``</function>`` ends the same call again
+            slot.end_at = end
+        if not slot.name_sent:
+            found = _JSON_NAME.search(slot.args)
+            name = slot.name or (found.group(1) if found else "")
+            if name:
+                slot.name, slot.name_sent, slot.name_at = name, True, end
+
+    def run(self, text: str) -> None:
+        state = "content"
+        for term, start, end in _lex(text):
+            value = text[start:end]
+            if state == "content":
+                if term == THINK_END and not self.skip_reasoning:
+                    continue
+                if term == TOOL_CALL_START:
+                    state = "preamble"
+                    self.call_start()
+                elif term == FUNC_PREFIX:
+                    state = "name"
+                    self.call_start()
+                else:
+                    self.text(start, end)
+            elif state == "preamble":
+                if term == TOOL_CALL_END:
+                    state = "content"
+                    self.call_end(end)
+                elif term == FUNC_PREFIX:
+                    state = "name"
+            elif state == "name":
+                if term == CLOSE_ANGLE:
+                    state = "args"
+                elif term in (FUNC_END, TOOL_CALL_END, TOOL_CALL_START, FUNC_PREFIX):
+                    self.call_end(end)
+                    state = {
+                        FUNC_END: "between",
+                        TOOL_CALL_END: "content",
+                        TOOL_CALL_START: "preamble",
+                        FUNC_PREFIX: "name",
+                    }[term]
+                    if term in (TOOL_CALL_START, FUNC_PREFIX):
+                        self.call_start()
+                else:
+                    self.name(value)
+            elif state == "args":
+                if term == FUNC_END:
+                    self.call_end(end)
+                    state = "between"
+                elif term == FUNC_PREFIX:
+                    self.call_end(end)
+                    self.call_start()
+                    state = "name"
+                else:
+                    self.arg(value, end)
+            elif term == TOOL_CALL_END:  # between calls
+                state = "content"
+            elif term in (TOOL_CALL_START, FUNC_PREFIX):
+                self.call_start()
+                state = "preamble" if term == TOOL_CALL_START else "name"
+        if state != "content":
+            self.call_end(len(text))
+
+
+def _qwen3_tools(
+    content: _Text,
+    *,
+    skip_reasoning: bool,
+    suppress: bool,
+    tools: Sequence[Mapping[str, Any]] | None,
+) -> tuple[list[_Call], _Text | None]:
+    run = _Qwen3ToolPass(skip_reasoning=skip_reasoning, suppress=suppress)
+    run.run(content.text)
+    calls: list[_Call] = []
+    for slot in run.slots:
+        # vLLM would try a JSON body here when the name is empty; XML bodies never hold one.
+        name = slot.name.strip()
+        if not name:
+            continue
+        arguments = _qwen3_arguments(slot.args) if slot.args.strip() else "{}"
+        arguments = _fix_arg_types(arguments, name, tools)
+        calls.append(
+            _Call(name, arguments, content.at[slot.name_at - 1], content.at[slot.end_at - 1])
+        )
+    announced = any(slot.name_sent for slot in run.slots)
+    spans = run.before
+    if run.deferred and (not run.seen_tool or not announced):
+        spans = run.before + run.deferred
+    text = content.pick(spans)
+    if not text.text.strip() and run.slots:
+        text = _EMPTY
+    if calls:
+        text = text.strip()
+    return calls, (text if text.text else None)
+
+
+# -- schema typing of qwen3_coder arguments (ParserEngine._fix_arg_types) --------------------
+_TYPE_ALIASES = {
+    "str": "string",
+    "text": "string",
+    "varchar": "string",
+    "char": "string",
+    "enum": "string",
+    "int": "integer",
+    "int32": "integer",
+    "int64": "integer",
+    "uint": "integer",
+    "uint32": "integer",
+    "uint64": "integer",
+    "long": "integer",
+    "short": "integer",
+    "unsigned": "integer",
+    "float": "number",
+    "float32": "number",
+    "float64": "number",
+    "double": "number",
+    "bool": "boolean",
+    "dict": "object",
+    "arr": "array",
+    "list": "array",
+    "sequence": "array",
+}
+_TYPE_PRIORITY = ("null", "integer", "number", "boolean", "object", "array", "string")
+
+
+def _schema_types(schema: object) -> list[str]:
+    """``extract_types_from_schema``."""
+    if not isinstance(schema, Mapping):
+        return ["string"]
+    types: set[str] = set()
+    declared = schema.get("type")
+    if isinstance(declared, str):
+        types.add(declared)
+    elif isinstance(declared, list):
+        types.update(t for t in declared if isinstance(t, str))
+    enum = schema.get("enum")
+    if isinstance(enum, list):
+        for value in enum:
+            if value is None:
+                types.add("null")
+            elif isinstance(value, bool):
+                types.add("boolean")
+            elif isinstance(value, int):
+                types.add("integer")
+            elif isinstance(value, float):
+                types.add("number")
+            elif isinstance(value, str):
+                types.add("string")
+            elif isinstance(value, list):
+                types.add("array")
+            elif isinstance(value, dict):
+                types.add("object")
+    for choice in ("anyOf", "oneOf", "allOf"):
+        options = schema.get(choice)
+        if isinstance(options, list):
+            for option in options:
+                types.update(_schema_types(option))
+    return list(types) if types else ["string"]
+
+
+def _json_finite(value: object) -> bool:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
+def _coerce(value: str, types: Sequence[str]) -> Any:
+    """``coerce_to_schema_type``: the first type in priority order that ``value`` reads as."""
+    wanted = {_TYPE_ALIASES.get(t.strip().lower(), t.strip().lower()) for t in types}
+    for kind in _TYPE_PRIORITY:
+        if kind not in wanted:
+            continue
+        if kind == "null":
+            if value.lower() == "null":
+                return None
+        elif kind == "string":
+            return value
+        elif kind == "integer":
+            try:
+                return int(value)
+            except ValueError:
+                continue
+        elif kind == "number":
+            try:
+                return int(value)
+            except ValueError:
+                pass
+            try:
+                number = float(value)
+            except ValueError:
+                continue
+            if math.isfinite(number):
+                return number if number != int(number) else int(number)
+        elif kind == "boolean":
+            lowered = value.lower().strip()
+            if lowered in ("true", "1"):
+                return True
+            if lowered in ("false", "0"):
+                return False
+        else:  # object, array
+            try:
+                parsed = json.loads(value)
+            except ValueError:
+                continue
+            if _json_finite(parsed):
+                return parsed
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        return value
+    return parsed if _json_finite(parsed) else value
+
+
+def _coerce_value(value: Any, schema: Mapping[str, Any]) -> tuple[Any, bool]:
+    if isinstance(value, str):
+        coerced = _coerce(value, _schema_types(schema))
+        return coerced, coerced is not value
+    if isinstance(value, dict):
+        nested = schema.get("properties")
+        if isinstance(nested, Mapping):
+            return value, _coerce_dict(value, nested)
+        return value, False
+    if isinstance(value, list):
+        items = schema.get("items")
+        changed = False
+        if isinstance(items, Mapping):
+            for i, item in enumerate(value):
+                coerced, item_changed = _coerce_value(item, items)
+                if item_changed:
+                    value[i] = coerced
+                    changed = True
+        return value, changed
+    coerced = _coerce(json.dumps(value, ensure_ascii=False), _schema_types(schema))
+    if type(coerced) is not type(value) or coerced != value:
+        return coerced, True
+    return value, False
+
+
+def _coerce_dict(args: dict[str, Any], properties: Mapping[str, Any]) -> bool:
+    changed = False
+    for key, value in args.items():
+        prop = properties.get(key)
+        if not isinstance(prop, Mapping):
+            continue
+        coerced, value_changed = _coerce_value(value, prop)
+        if value_changed:
+            args[key] = coerced
+            changed = True
+    return changed
+
+
+def _tool_properties(tools: Sequence[Mapping[str, Any]], name: str) -> Mapping[str, Any]:
+    """``find_tool_properties`` over chat-completions tools (``{"type": "function", ...}``)."""
+    for tool in tools:
+        function = tool.get("function")
+        if isinstance(function, Mapping) and function.get("name") == name:
+            parameters = function.get("parameters") or {}
+            properties = parameters.get("properties", {}) if isinstance(parameters, Mapping) else {}
+            return properties if isinstance(properties, Mapping) else {}
+    return {}
+
+
+def _fix_arg_types(arguments: str, name: str, tools: Sequence[Mapping[str, Any]] | None) -> str:
+    if not tools:
+        return arguments
+    properties = _tool_properties(tools, name)
+    args = json.loads(arguments)
+    if not properties or not isinstance(args, dict):
+        return arguments
+    if _coerce_dict(args, properties):
+        return json.dumps(args, ensure_ascii=False)
+    return arguments
+
+
+# -- parsing ---------------------------------------------------------------------------------
+def _parse(
+    text: str,
+    *,
+    reasoning: bool,
+    reasoning_parser: ReasoningParser,
+    thinking: bool,
+    tool_format: ToolFormat,
+    tool_choice: ToolChoice,
+    tools: Sequence[Mapping[str, Any]] | None,
+) -> _Parsed:
+    out = _Text.whole(text)
+    r: _Text | None
+    c: _Text | None
+    if not reasoning:
+        r, c = None, out
+    elif reasoning_parser == "deepseek_r1":
+        r, c = _r1_reasoning(out)
+    elif not thinking:
+        r, c = None, out
+    else:
+        r, c = _qwen3_reasoning(out)
+
+    fmt = tool_format
+    if fmt == "auto":
+        fmt = "qwen3_coder" if FUNC_PREFIX in text else "hermes"
+    calls: list[_Call] = []
+    if fmt == "hermes" and tool_choice == "auto":
+        found = _hermes(c or _EMPTY)
+        if found is not None:
+            calls, c = found
+            if c is not None and not c.text.strip():
+                c = None
+    elif fmt == "qwen3_coder":
+        # DelegatingParser._extract_tool_calls: with a legacy reasoning parser (deepseek_r1)
+        # the composed parser is not engine-based and keeps the content it was given.
+        engine_based = not reasoning or reasoning_parser == "qwen3"
+        suppress = tool_choice == "none" and bool(tools)
+        found_calls, found_content = _qwen3_tools(
+            c or _EMPTY, skip_reasoning=not reasoning, suppress=suppress, tools=tools
+        )
+        if tool_choice == "auto" and found_calls:
+            calls, c = found_calls, found_content
+        elif engine_based:
+            c = found_content
+    return _Parsed(r, c, calls)
+
+
+def _tool_call_ids(seed: int, count: int) -> list[str]:
+    rng = random.Random(seed)
+    return [f"chatcmpl-tool-{rng.getrandbits(64):016x}" for _ in range(count)]
+
+
+def _output(parsed: _Parsed, seed: int) -> ParsedOutput:
+    ids = _tool_call_ids(seed, len(parsed.calls))
+    return ParsedOutput(
+        reasoning=None if parsed.reasoning is None else parsed.reasoning.text,
+        content=None if parsed.content is None else parsed.content.text,
+        tool_calls=[
+            ParsedToolCall(id=i, name=call.name, arguments=call.arguments)
+            for i, call in zip(ids, parsed.calls, strict=True)
+        ],
+    )
+
+
+def parse_output(
+    text: str,
+    *,
+    reasoning: bool = True,
+    reasoning_parser: ReasoningParser = "qwen3",
+    thinking: bool = True,
+    tool_format: ToolFormat = "auto",
+    tool_choice: ToolChoice = "auto",
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    seed: int = 0,
+) -> ParsedOutput:
+    """The message vLLM 0.33 returns for raw output ``text``.
+
+    ``reasoning``: a reasoning parser is configured (``--reasoning-parser``), namely
+    ``reasoning_parser``. ``thinking``: the request's ``enable_thinking`` (only ``qwen3``
+    reads it). ``tool_format``: the ``--tool-call-parser`` (``none``: no tool parsing).
+    ``tool_choice``: the request's; ``none`` keeps tool calls out of the message (``tools``
+    given) or only drops them (no ``tools``), as vLLM does. ``tools``: the request's tools,
+    used to type ``qwen3_coder`` parameters. ``seed``: where tool-call ids come from.
+    """
+    parsed = _parse(
+        text,
+        reasoning=reasoning,
+        reasoning_parser=reasoning_parser,
+        thinking=thinking,
+        tool_format=tool_format,
+        tool_choice=tool_choice,
+        tools=tools,
+    )
+    return _output(parsed, seed)
+
+
+# -- streaming -------------------------------------------------------------------------------
+def stream_deltas(
+    pieces: Sequence[str],
+    *,
+    reasoning: bool = True,
+    reasoning_parser: ReasoningParser = "qwen3",
+    thinking: bool = True,
+    tool_format: ToolFormat = "auto",
+    tool_choice: ToolChoice = "auto",
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    seed: int = 0,
+) -> list[dict[str, Any] | None]:
+    """The chat-completion ``delta`` vLLM streams after each generated token, or None where
+    it sends nothing (a ``</think>`` token, tool-call markup).
+
+    ``pieces`` are the tokens' texts as the detokenizer releases them; the options are
+    :func:`parse_output`'s. Deltas carry ``reasoning`` and ``content`` text as it is
+    generated. A tool call is announced (``index``, ``id``, ``type``, ``function.name``) at the
+    token that completes its name and gets its whole ``function.arguments`` at the token that
+    completes the call (vLLM streams the arguments in pieces; the joined text is what matters).
+    Joining the deltas (:func:`join_deltas`) gives exactly ``parse_output("".join(pieces))``;
+    where vLLM's own streaming differs from its non-streaming result (it does for some broken
+    outputs) this follows the non-streaming one. The opening ``{"role": "assistant",
+    "content": ""}`` delta and the final one with ``finish_reason`` are the caller's.
+    """
+    text = "".join(pieces)
+    parsed = _parse(
+        text,
+        reasoning=reasoning,
+        reasoning_parser=reasoning_parser,
+        thinking=thinking,
+        tool_format=tool_format,
+        tool_choice=tool_choice,
+        tools=tools,
+    )
+    if not pieces:
+        return []
+    ends = list(accumulate(len(p) for p in pieces))
+    deltas: list[dict[str, Any]] = [{} for _ in pieces]
+    for key, part in (("content", parsed.content), ("reasoning", parsed.reasoning)):
+        if part is None:
+            continue
+        if not part.text:  # "" rather than None: say so once, at the end
+            deltas[-1][key] = ""
+            continue
+        start = 0
+        for k, end in enumerate(ends):
+            lo, hi = bisect_left(part.at, start), bisect_left(part.at, end)
+            if hi > lo:
+                deltas[k][key] = part.text[lo:hi]
+            start = end
+    ids = _tool_call_ids(seed, len(parsed.calls))
+    for index, (call_id, call) in enumerate(zip(ids, parsed.calls, strict=True)):
+        named, done = bisect_right(ends, call.name_at), bisect_right(ends, call.end_at)
+        head: dict[str, Any] = {
+            "index": index,
+            "id": call_id,
+            "type": "function",
+            "function": {"name": call.name},
+        }
+        if named == done:
+            head["function"]["arguments"] = call.arguments
+            deltas[named].setdefault("tool_calls", []).append(head)
+        else:
+            deltas[named].setdefault("tool_calls", []).append(head)
+            tail = {"index": index, "function": {"arguments": call.arguments}}
+            deltas[done].setdefault("tool_calls", []).append(tail)
+    return [d or None for d in deltas]
+
+
+def join_deltas(deltas: Iterable[Mapping[str, Any] | None]) -> ParsedOutput:
+    """What a client accumulates from chat-completion deltas."""
+    reasoning: list[str] | None = None
+    content: list[str] | None = None
+    calls: dict[int, dict[str, str]] = {}
+    for delta in deltas:
+        if delta is None:
+            continue
+        if delta.get("reasoning") is not None:
+            reasoning = (reasoning or []) + [delta["reasoning"]]
+        if delta.get("content") is not None:
+            content = (content or []) + [delta["content"]]
+        for tc in delta.get("tool_calls") or []:
+            call = calls.setdefault(tc["index"], {"id": "", "name": "", "arguments": ""})
+            call["id"] = tc.get("id") or call["id"]
+            function = tc.get("function") or {}
+            call["name"] += function.get("name") or ""
+            call["arguments"] += function.get("arguments") or ""
+    return ParsedOutput(
+        reasoning=None if reasoning is None else "".join(reasoning),
+        content=None if content is None else "".join(content),
+        tool_calls=[ParsedToolCall(**calls[i]) for i in sorted(calls)],
+    )
+
+
+# -- generated text --------------------------------------------------------------------------
+_WORDS = (
+    "the", "a", "model", "agent", "cache", "token", "turn", "prompt", "answer", "question",
+    "reads", "writes", "keeps", "moves", "checks", "finds", "returns", "sends", "needs", "uses",
+    "quickly", "again", "later", "often", "here", "there", "now", "then", "only", "still",
+    "small", "large", "next", "last", "first", "whole", "same", "new", "old", "warm",
+    "block", "prefix", "server", "request", "reply", "tool", "result", "file", "plan", "step",
+    "of", "to", "in", "on", "with", "from", "and", "but", "so", "for",
+)  # fmt: skip
+
+
+def generate_text(seed: int, max_chars: int) -> str:
+    """Plausible English-ish sentences from ``random.Random(seed)``, at most ``max_chars``
+    characters; the same seed always gives the same text, and a longer limit extends it."""
+    rng = random.Random(seed)
+    out = ""
+    while True:
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 12))]
+        words[0] = words[0].capitalize()
+        words[-1] += rng.choice((".", ".", ".", "!", "?"))
+        for word in words:
+            candidate = f"{out} {word}" if out else word
+            if len(candidate) > max_chars:
+                return out
+            out = candidate
+
+
+# -- scripted output -------------------------------------------------------------------------
+class ScriptToolCall(BaseModel):
+    """One tool call of a :class:`SimScript`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    arguments: dict[str, Any] | str = Field(default_factory=dict)
+    """An object, or the raw argument text inserted verbatim (may be broken on purpose):
+    the JSON after ``"arguments": `` for hermes, the body inside ``<function=NAME>\\n`` …
+    ``</function>`` for qwen3_coder."""
+
+
+class SimScript(BaseModel):
+    """Exactly what the simulated model emits (request field ``agentkv_sim``).
+
+    Either ``text`` (raw output in the template's native syntax) or the structured fields,
+    which :func:`render_script` turns into raw text. The output is the same whatever
+    ``max_tokens`` says; ``finish_reason`` (default: the engine's) is what the engine reports.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    text: str | None = None
+    reasoning: str | None = None
+    content: str | None = None
+    tool_calls: list[ScriptToolCall] | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+    @model_validator(mode="after")
+    def _text_or_fields(self) -> SimScript:
+        if self.text is not None and (
+            self.reasoning is not None or self.content is not None or self.tool_calls
+        ):
+            raise ValueError("give either `text` or `reasoning`/`content`/`tool_calls`")
+        return self
+
+
+@dataclass(frozen=True)
+class NativeSyntax:
+    """How a model family writes reasoning and tool calls."""
+
+    tool_format: Literal["hermes", "qwen3_coder"]
+    think_start: str = THINK_START
+    think_end: str = THINK_END
+
+
+HERMES = NativeSyntax("hermes")
+"""Qwen3 and QwQ: ``<tool_call>\\n{"name": …, "arguments": {…}}\\n</tool_call>``."""
+QWEN3_CODER = NativeSyntax("qwen3_coder")
+"""Qwen3-Coder: ``<tool_call>\\n<function=NAME>\\n<parameter=K>\\nV\\n</parameter>\\n…``."""
+
+
+def native_syntax_for(template_text: str) -> NativeSyntax:
+    """The family a chat template (its name or source) writes: qwen3_coder XML if it mentions
+    ``<function=`` or ``<parameter=``, else hermes JSON."""
+    if FUNC_PREFIX in template_text or PARAM_START in template_text:
+        return QWEN3_CODER
+    return HERMES
+
+
+def _render_call(call: ScriptToolCall, native: NativeSyntax) -> str:
+    if native.tool_format == "hermes":
+        if isinstance(call.arguments, str):
+            body = f'{{"name": {json.dumps(call.name, ensure_ascii=False)}, '
+            body += f'"arguments": {call.arguments}}}'
+        else:
+            body = json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False)
+        return f"{TOOL_CALL_START}\n{body}\n{TOOL_CALL_END}"
+    if isinstance(call.arguments, str):
+        params = call.arguments
+    else:
+        params = "".join(
+            f"{PARAM_START}{key}>\n"
+            f"{value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)}"
+            f"\n{PARAM_END}\n"
+            for key, value in call.arguments.items()
+        )
+    return f"{TOOL_CALL_START}\n{FUNC_PREFIX}{call.name}>\n{params}{FUNC_END}\n{TOOL_CALL_END}"
+
+
+def render_script(
+    script: SimScript,
+    *,
+    native: NativeSyntax,
+    thinking: bool = True,
+    prompt_ends_in_think: bool = False,
+) -> str:
+    """The raw text the model emits for ``script``.
+
+    ``text`` is returned as is. Otherwise: the reasoning block when ``thinking`` (empty when
+    ``reasoning`` is None, so that vLLM's qwen3 parser does not read the content as
+    reasoning; without its ``<think>`` when the prompt already ends with one), then
+    ``content``, then the tool calls, one per line. No whitespace is added around reasoning
+    or content, so ``parse_output`` gives them back exactly. With ``thinking`` off, a
+    ``reasoning`` is still written as a think block, which vLLM then returns as content.
+    """
+    if script.text is not None:
+        return script.text
+    out = ""
+    if thinking or script.reasoning is not None:
+        start = "" if thinking and prompt_ends_in_think else native.think_start
+        out = f"{start}{script.reasoning or ''}{native.think_end}"
+    out += script.content or ""
+    out += "\n".join(_render_call(call, native) for call in script.tool_calls or [])
+    return out
