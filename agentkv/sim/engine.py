@@ -376,7 +376,8 @@ class Engine:
         state.blocks.extend(new_blocks)
 
         external = 0
-        model_s = self.cost.overhead_s
+        # A P/D turn pays the fixed overhead once, on P (the cost model's ``ttft_s``).
+        model_s = 0.0 if pull_from_prefill else self.cost.overhead_s
         if pull_from_prefill or pull_from_decode:
             assert params is not None
             external, transfer_s, decision = await self._read_remote(

@@ -6,6 +6,7 @@ clock, so TTLs and expiry margins are tested without sleeping.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import math
 from typing import Any
@@ -321,3 +322,51 @@ def sse_chunks(text: str) -> list[dict[str, Any]]:
         for line in text.split("\n\n")
         if line.startswith("data: ") and line != "data: [DONE]"
     ]
+
+
+async def test_compat_032_expired_handle_never_answers_and_leaks_blocks():
+    c = make_cluster(
+        p={"compat": "0.32", "prefix_caching": False, "kv_load_failure_policy": "recompute"}
+    )
+    out, handle = await turn1(c)
+    c.clock.advance(476)
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(prefill(c, PROMPT + out + TAIL, handle), 0.5)
+    assert c.p.engine.pool.num_used == math.ceil(len(PROMPT + out + TAIL) / BS)  # leaked
+    assert (await c.metrics(P_PORT))["vllm:nixl_num_kv_expired_reqs_total"] == 1
+
+
+async def test_prefill_without_bidirectional_waits_forever_for_a_read_it_never_starts():
+    c = make_cluster(p={"bidirectional_kv_xfer": False, "prefix_caching": False})
+    out, handle = await turn1(c)
+    task = asyncio.create_task(prefill(c, PROMPT + out + TAIL, handle))
+    await asyncio.sleep(0.3)
+    assert not task.done()
+    c.p.engine.shutdown()  # a stopping server releases parked requests
+    r = await asyncio.wait_for(task, 5)
+    assert r.status_code == 503
+    assert len(c.d.engine.retained) == 1  # D was never notified: blocks held until the TTL
+
+
+async def test_prefill_without_bidirectional_ignores_handle_below_threshold():
+    c = make_cluster(p={"bidirectional_kv_xfer": False})
+    out, handle = await turn1(c, n_out=10)
+    await prefill(c, PROMPT, {})
+    r = await prefill(c, PROMPT + out + TAIL, handle)
+    assert r.status_code == 200
+    assert len(c.d.engine.retained) == 1
+
+
+async def test_cost_model_sets_the_model_ttft():
+    from agentkv.sim.costmodel import PRESETS
+
+    c = make_cluster(p={"prefix_caching": False})
+    cost = PRESETS["qwen3-32b-p5en"]
+    c.p.engine.cost = cost
+    out, handle = await turn1(c)
+    ids2 = PROMPT + out + TAIL
+    r = await prefill(c, ids2, handle)
+    model_ms = float(r.headers["x-agentkv-sim-model-ttft-ms"])
+    reused = handle["remote_num_tokens"]
+    want = cost.overhead_s + cost.transfer_s(reused) + cost.prefill_s(len(ids2) - reused, reused)
+    assert model_ms == pytest.approx(want * 1000, abs=1e-3)
