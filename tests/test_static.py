@@ -32,11 +32,20 @@ def test_mypy_strict():
 
 
 def test_layers_import_one_way():
-    """protocol imports nothing else from agentkv; sim imports only protocol (and itself)."""
+    """protocol imports nothing else from agentkv; sim imports only protocol and chat; chat
+    imports only itself; the SDK never imports the simulator."""
     for path in (ROOT / "agentkv" / "protocol").glob("*.py"):
         text = path.read_text()
         assert "from agentkv." not in text.replace("from agentkv.protocol", ""), path
     for path in (ROOT / "agentkv" / "sim").glob("*.py"):
         for line in path.read_text().splitlines():
             if line.startswith(("from agentkv.", "import agentkv")):
-                assert line.startswith(("from agentkv.sim", "from agentkv.protocol")), (path, line)
+                assert line.startswith(
+                    ("from agentkv.sim", "from agentkv.protocol", "from agentkv.chat")
+                ), (path, line)
+    for path in (ROOT / "agentkv" / "chat").glob("*.py"):
+        for line in path.read_text().splitlines():
+            if line.startswith(("from agentkv.", "import agentkv")):
+                assert line.startswith("from agentkv.chat"), (path, line)
+    for path in (ROOT / "agentkv").glob("_*.py"):
+        assert "agentkv.sim" not in path.read_text(), path

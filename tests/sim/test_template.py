@@ -7,15 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from agentkv.sim import template as template_mod
-from agentkv.sim.template import (
+from agentkv.chat import template as template_mod
+from agentkv.chat.template import (
     ChatTemplate,
     TemplateError,
     detect_content_format,
     load_template,
     preprocess_messages,
 )
-from agentkv.sim.tokenizer import (
+from agentkv.chat.tokenizer import (
     DEFAULT_CHAT_TEMPLATE_PATH,
     deepseek_tokenizer_path,
     load_tokenizer,

@@ -6,11 +6,11 @@ import unicodedata
 
 import pytest
 
-from agentkv.sim import tokenizer as tokenizer_mod
-from agentkv.sim.tokenizer import (
+from agentkv.chat import tokenizer as tokenizer_mod
+from agentkv.chat.tokenizer import (
     DEFAULT_CHAT_TEMPLATE_PATH,
     QWEN3_ADDED_TOKENS,
-    SimTokenizer,
+    ChatTokenizer,
     deepseek_tokenizer_path,
     default_tokenizer_dir,
     load_tokenizer,
@@ -42,7 +42,7 @@ PIECES = [
 
 
 @pytest.fixture(scope="module")
-def qwen() -> SimTokenizer:
+def qwen() -> ChatTokenizer:
     return load_tokenizer()
 
 

@@ -1,0 +1,448 @@
+"""The conversation ledger: messages as generated, their exact token ids, and the epoch.
+
+Pure logic, no I/O (httpx's ``BaseClient`` idea): the sync and async conversations in
+``_client.py`` ask the ledger what to render, render it, send the request the ledger builds and
+hand the response back to :meth:`Ledger.absorb`. A turn therefore runs:
+
+1. ``render_job()``: the whole history (first turn, or after a rewrite) or only the messages
+   added since the last answer;
+2. ``request(prompt_ids, chat_kwargs)``: the ``openai`` keyword arguments, with the conversation
+   id (header + ``session_id``), the epoch header, ``return_token_ids`` and, in exact mode,
+   ``kv_transfer_params.prompt_token_ids``;
+3. ``absorb(...)``: append the assistant message exactly as generated and its token ids, and
+   build the :class:`~agentkv._receipt.TurnReceipt`.
+
+Nothing is appended before a response has been received, so a failed or retried request never
+changes the history.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from agentkv._exceptions import ConversationError, StateError
+from agentkv._receipt import Drift, Mode, RewriteReport, TurnReceipt, router_fields
+from agentkv.protocol import (
+    BODY_KV_TRANSFER_PARAMS,
+    BODY_PROMPT_TOKEN_IDS,
+    BODY_RETURN_TOKEN_IDS,
+    BODY_SESSION_ID,
+    HEADER_CONVERSATION_ID,
+    HEADER_EPOCH,
+)
+
+__all__ = ["STATE_VERSION", "Ledger", "RenderJob", "TurnResult"]
+
+STATE_VERSION = 1
+_THINK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
+_RESERVED = {"messages", "model", "extra_body", "extra_headers", "n"}
+
+
+@dataclass(frozen=True)
+class RenderJob:
+    """What has to become token ids before the next request."""
+
+    kind: Literal["full", "append"]
+    messages: list[dict[str, Any]]
+    """``full``: the whole history; ``append``: only the messages added since the last answer."""
+    tools: list[dict[str, Any]] | None
+    chat_template_kwargs: dict[str, Any] | None
+    last_output_ids: list[int]
+    """``append``: the previous answer's ids (the renderer drops a duplicated end-of-turn)."""
+
+
+@dataclass
+class TurnResult:
+    """One response, reduced to what the ledger needs (streams are accumulated into it)."""
+
+    message: dict[str, Any]
+    """The assistant message as generated: content, reasoning, tool calls with raw arguments."""
+    prompt_token_ids: list[int] | None
+    output_token_ids: list[int] | None
+    finish_reason: str | None
+    usage: dict[str, Any] | None
+    headers: Mapping[str, str]
+    latency_s: float
+    ttft_s: float | None = None
+    request_id: str | None = None
+
+
+def _clean(message: Mapping[str, Any]) -> dict[str, Any]:
+    """A plain-dict deep copy (accepts openai's pydantic message objects too)."""
+    dump = getattr(message, "model_dump", None)
+    data = dump(exclude_none=True) if callable(dump) else dict(message)
+    if not isinstance(data, dict):
+        raise ConversationError("A message must be a mapping.")
+    return copy.deepcopy(data)
+
+
+def _norm(message: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What a framework round-trips of a message (it may drop reasoning or re-encode args)."""
+    calls = []
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function") or {}
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            with contextlib.suppress(ValueError):
+                args = json.loads(args)
+        calls.append((fn.get("name"), json.dumps(args, sort_keys=True)))
+    content = message.get("content")
+    if isinstance(content, list):
+        content = "".join(p.get("text", "") for p in content if isinstance(p, Mapping))
+    content = content or ""
+    if message.get("role") == "assistant" and isinstance(content, str):
+        content = _THINK.sub("", content).strip()
+    return (message.get("role"), content, tuple(calls), message.get("tool_call_id"))
+
+
+class Ledger:
+    """One conversation's history, token ids and epoch."""
+
+    def __init__(
+        self,
+        *,
+        id: str | None = None,
+        model: str | None = None,
+        system: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        mode: Mode = "exact",
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        if mode not in ("exact", "messages"):
+            raise ConversationError(f"mode must be 'exact' or 'messages', not {mode!r}")
+        self.id = id or str(uuid.uuid4())
+        if not isinstance(self.id, str) or not self.id:
+            raise ConversationError("A conversation id must be a non-empty string.")
+        self.model = model
+        self.mode: Mode = mode
+        self.tools = [dict(t) for t in tools] if tools else None
+        self.chat_template_kwargs = dict(chat_template_kwargs) if chat_template_kwargs else None
+        self.epoch = 0
+        self.turns = 0
+        self._messages: list[dict[str, Any]] = []
+        self._sent = 0
+        """Messages already part of ``ids`` (all messages before the pending ones)."""
+        self.ids: list[int] | None = None
+        """Exact mode: the previous prompt + the previous answer's ids; None until a turn ran
+        or after a rewrite."""
+        self.last_output_ids: list[int] = []
+        self.last_prompt_ids: list[int] | None = None
+        self._boundaries: list[tuple[int, int]] = []
+        """(message count, token offset): ``ids[:offset]`` holds exactly the first
+        ``message count`` messages (plus the turn's generation prompt)."""
+        self.pending_rewrite: RewriteReport | None = None
+        self.warned_drift = False
+        self.receipts: list[TurnReceipt] = []
+        if system is not None:
+            self._messages.append({"role": "system", "content": system})
+
+    # -- history --------------------------------------------------------------------------
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        """The history exactly as generated (a copy)."""
+        return copy.deepcopy(self._messages)
+
+    def add(self, message: Mapping[str, Any]) -> None:
+        msg = _clean(message)
+        role = msg.get("role")
+        if role not in ("system", "developer", "user", "assistant", "tool"):
+            raise ConversationError(f"Unknown message role {role!r}.", conversation_id=self.id)
+        if role == "tool":
+            self._check_tool_result(str(msg.get("tool_call_id", "")))
+        self._messages.append(msg)
+
+    def add_user(self, content: str | list[dict[str, Any]]) -> None:
+        self.add({"role": "user", "content": content})
+
+    def add_tool_result(self, tool_call_id: str, content: str) -> None:
+        self.add({"role": "tool", "tool_call_id": tool_call_id, "content": content})
+
+    def _check_tool_result(self, tool_call_id: str) -> None:
+        open_ids: list[str] = []
+        for msg in self._messages:
+            if msg.get("role") == "assistant":
+                open_ids = [str(c.get("id")) for c in msg.get("tool_calls") or []]
+            elif msg.get("role") == "tool" and msg.get("tool_call_id") in open_ids:
+                open_ids.remove(str(msg["tool_call_id"]))
+        if tool_call_id not in open_ids:
+            known = ", ".join(open_ids) or "none"
+            raise ConversationError(
+                f"Unknown or already answered tool_call_id {tool_call_id!r}; the last assistant "
+                f"message's open tool calls are: {known}.",
+                conversation_id=self.id,
+            )
+
+    @property
+    def pending(self) -> list[dict[str, Any]]:
+        """Messages added since the last answer (not yet in ``ids``)."""
+        return copy.deepcopy(self._messages[self._sent :])
+
+    # -- a turn ---------------------------------------------------------------------------
+    def render_job(self) -> RenderJob:
+        pending = self._messages[self._sent :]
+        if not self._messages or (self.ids is not None and not pending):
+            raise ConversationError(
+                "Nothing to send: add a user message or a tool result first.",
+                conversation_id=self.id,
+            )
+        if self.ids is None:
+            return RenderJob("full", self.messages, self.tools, self.chat_template_kwargs, [])
+        return RenderJob(
+            "append",
+            copy.deepcopy(pending),
+            self.tools,
+            self.chat_template_kwargs,
+            list(self.last_output_ids),
+        )
+
+    def next_prompt(self, job: RenderJob, rendered: list[int]) -> list[int]:
+        """The whole next prompt from what the renderer returned for ``job``."""
+        if job.kind == "full":
+            return list(rendered)
+        assert self.ids is not None
+        return [*self.ids, *rendered]
+
+    def request(
+        self, prompt_ids: list[int] | None, chat_kwargs: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """Keyword arguments for ``client.chat.completions.create``."""
+        bad = _RESERVED & set(chat_kwargs)
+        if "n" in bad and chat_kwargs.get("n") in (None, 1):
+            bad.discard("n")
+        if bad:
+            raise ConversationError(
+                f"{', '.join(sorted(bad))} cannot be passed to create(): the conversation owns "
+                "messages, model and ids (pass extra fields as keyword arguments).",
+                conversation_id=self.id,
+            )
+        kwargs = dict(chat_kwargs)
+        model = kwargs.pop("model_override", None) or self.model
+        if not model:
+            raise ConversationError(
+                "No model: pass model= to conversation().", conversation_id=self.id
+            )
+        extra_body: dict[str, Any] = {BODY_SESSION_ID: self.id, BODY_RETURN_TOKEN_IDS: True}
+        if self.chat_template_kwargs:
+            extra_body["chat_template_kwargs"] = dict(self.chat_template_kwargs)
+        if self.mode == "exact" and prompt_ids is not None:
+            extra_body[BODY_KV_TRANSFER_PARAMS] = {BODY_PROMPT_TOKEN_IDS: prompt_ids}
+        if kwargs.get("stream"):
+            options = dict(kwargs.get("stream_options") or {})
+            options["include_usage"] = True
+            kwargs["stream_options"] = options
+        if self.tools is not None and "tools" not in kwargs:
+            kwargs["tools"] = self.tools
+        return {
+            "model": model,
+            "messages": self._wire_messages(),
+            "extra_body": extra_body,
+            "extra_headers": {HEADER_CONVERSATION_ID: self.id, HEADER_EPOCH: str(self.epoch)},
+            **kwargs,
+        }
+
+    def _wire_messages(self) -> list[dict[str, Any]]:
+        """History as generated; reasoning under both names servers accept."""
+        out = []
+        for msg in self._messages:
+            m = copy.deepcopy(msg)
+            reasoning = m.get("reasoning") or m.get("reasoning_content")
+            if m.get("role") == "assistant" and reasoning:
+                m["reasoning"] = m["reasoning_content"] = reasoning
+            out.append(m)
+        return out
+
+    def absorb(
+        self, prompt_ids: list[int] | None, result: TurnResult, drift: Drift | None
+    ) -> TurnReceipt:
+        """Record a successful response; returns its receipt."""
+        message = {k: v for k, v in result.message.items() if v is not None}
+        message["role"] = "assistant"
+        if "content" not in message:
+            message["content"] = None
+        out_ids = result.output_token_ids
+        sent_ids = prompt_ids if prompt_ids is not None else result.prompt_token_ids
+        start = len(self._messages)
+        self._messages.append(message)
+        self._sent = len(self._messages)
+        self.turns += 1
+        if sent_ids is not None and out_ids is not None:
+            if self.ids is not None and self.mode == "exact":
+                self._boundaries.append((start, len(sent_ids)))
+            else:
+                self._boundaries = [(start, len(sent_ids))]
+            self.ids = [*sent_ids, *out_ids]
+            self._boundaries.append((len(self._messages), len(self.ids)))
+        else:
+            self.ids = None
+            self._boundaries = []
+        self.last_prompt_ids = list(sent_ids) if sent_ids is not None else None
+        self.last_output_ids = list(out_ids or [])
+        usage = result.usage or {}
+        details = usage.get("prompt_tokens_details") or {}
+        decision, reused, verified = router_fields(result.headers)
+        receipt = TurnReceipt(
+            conversation_id=self.id,
+            turn=self.turns,
+            epoch=self.epoch,
+            mode=self.mode,
+            prompt_tokens=int(usage.get("prompt_tokens") or len(sent_ids or [])),
+            completion_tokens=int(usage.get("completion_tokens") or len(out_ids or [])),
+            cached_tokens=details.get("cached_tokens") if isinstance(details, Mapping) else None,
+            decision=decision,
+            reused_tokens=reused,
+            verified_prefix_tokens=verified,
+            finish_reason=result.finish_reason,
+            latency_s=result.latency_s,
+            ttft_s=result.ttft_s,
+            drift=drift,
+            rewrite=self.pending_rewrite,
+            request_id=result.request_id,
+        )
+        self.pending_rewrite = None
+        self.receipts.append(receipt)
+        return receipt
+
+    def expected_prefix(self) -> list[int] | None:
+        """Messages mode: what the next prompt should start with (previous prompt + output)."""
+        return list(self.ids) if self.ids is not None else None
+
+    def message_at_token(self, offset: int) -> int | None:
+        """The index of the message whose tokens contain ``offset`` (best known boundary)."""
+        index = None
+        for count, token_offset in self._boundaries:
+            if token_offset <= offset:
+                index = count
+        return index
+
+    # -- rewriting --------------------------------------------------------------------------
+    def rewrite(self, messages: Sequence[Mapping[str, Any]], reason: str) -> RewriteReport:
+        new = [_clean(m) for m in messages]
+        if not new:
+            raise ConversationError(
+                "rewrite() needs at least one message.", conversation_id=self.id
+            )
+        for msg in new:
+            if msg.get("role") not in ("system", "developer", "user", "assistant", "tool"):
+                raise ConversationError(
+                    f"Unknown message role {msg.get('role')!r}.", conversation_id=self.id
+                )
+        same = 0
+        for old, cur in zip(self._messages, new, strict=False):
+            if old != cur:
+                break
+            same += 1
+        surviving_tokens = None
+        dropped = None
+        if self.ids is not None:
+            surviving_tokens = 0
+            for count, offset in self._boundaries:
+                if count <= same:
+                    surviving_tokens = offset
+            dropped = len(self.ids) - surviving_tokens
+        self._messages = new
+        self._sent = 0
+        self.ids = None
+        self._boundaries = []
+        self.last_output_ids = []
+        self.epoch += 1
+        report = RewriteReport(reason, self.epoch, same, surviving_tokens, dropped)
+        self.pending_rewrite = report
+        return report
+
+    def without_reasoning(self) -> list[dict[str, Any]]:
+        out = []
+        for msg in self._messages:
+            m = copy.deepcopy(msg)
+            if m.get("role") == "assistant":
+                m.pop("reasoning", None)
+                m.pop("reasoning_content", None)
+                if isinstance(m.get("content"), str):
+                    m["content"] = _THINK.sub("", m["content"])
+            out.append(m)
+        return out
+
+    def compacted(self, summary: str, keep_last: int) -> list[dict[str, Any]]:
+        """System messages, a user message holding ``summary``, then the last ``keep_last``
+        messages (moved back so the kept part starts at a user message)."""
+        if keep_last < 0:
+            raise ConversationError("keep_last must be >= 0.", conversation_id=self.id)
+        head = [m for m in self._messages if m.get("role") in ("system", "developer")]
+        body = [m for m in self._messages if m.get("role") not in ("system", "developer")]
+        cut = max(0, len(body) - keep_last)
+        while cut < len(body) and body[cut].get("role") != "user":
+            cut += 1
+        tail = body[cut:]
+        return copy.deepcopy(
+            [
+                *head,
+                {"role": "user", "content": f"Summary of the conversation so far:\n{summary}"},
+                *tail,
+            ]
+        )
+
+    def classify(
+        self, messages: Sequence[Mapping[str, Any]]
+    ) -> Literal["same", "append", "rewrite"]:
+        """Whether ``messages`` is the history, extends it, or rewrites it."""
+        mine = [_norm(m) for m in self._messages]
+        theirs = [_norm(_clean(m)) for m in messages]
+        if theirs[: len(mine)] != mine:
+            return "rewrite"
+        return "same" if len(theirs) == len(mine) else "append"
+
+    # -- state ----------------------------------------------------------------------------
+    def to_state(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "id": self.id,
+            "model": self.model,
+            "mode": self.mode,
+            "tools": self.tools,
+            "chat_template_kwargs": self.chat_template_kwargs,
+            "epoch": self.epoch,
+            "turns": self.turns,
+            "messages": self.messages,
+            "sent": self._sent,
+            "ids": self.ids,
+            "last_output_ids": self.last_output_ids,
+            "last_prompt_ids": self.last_prompt_ids,
+            "boundaries": [list(b) for b in self._boundaries],
+        }
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> Ledger:
+        if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
+            raise StateError(
+                f"Not an agentkv conversation state of version {STATE_VERSION}: "
+                "save it with Conversation.to_state()."
+            )
+        try:
+            ledger = cls(
+                id=str(state["id"]),
+                model=state.get("model"),
+                tools=state.get("tools"),
+                mode=state.get("mode", "exact"),
+                chat_template_kwargs=state.get("chat_template_kwargs"),
+            )
+            ledger.epoch = int(state["epoch"])
+            ledger.turns = int(state["turns"])
+            ledger._messages = [_clean(m) for m in state["messages"]]
+            ledger._sent = int(state["sent"])
+            ids = state.get("ids")
+            ledger.ids = [int(t) for t in ids] if ids is not None else None
+            ledger.last_output_ids = [int(t) for t in state.get("last_output_ids") or []]
+            last = state.get("last_prompt_ids")
+            ledger.last_prompt_ids = [int(t) for t in last] if last is not None else None
+            ledger._boundaries = [(int(a), int(b)) for a, b in state.get("boundaries") or []]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StateError(f"Malformed conversation state: {exc!r}") from exc
+        if not 0 <= ledger._sent <= len(ledger._messages):
+            raise StateError("Malformed conversation state: 'sent' is out of range.")
+        return ledger

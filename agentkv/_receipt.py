@@ -1,0 +1,91 @@
+"""What each turn did: :class:`TurnReceipt` (and the drift report of messages mode)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from agentkv.protocol import HEADER_DECISION, HEADER_REUSED_TOKENS, HEADER_VERIFIED_PREFIX_TOKENS
+
+__all__ = ["Drift", "RewriteReport", "TurnReceipt"]
+
+Mode = Literal["exact", "messages"]
+
+
+@dataclass(frozen=True)
+class Drift:
+    """Where a re-rendered prompt stopped matching the previous prompt + generated tokens."""
+
+    matched_tokens: int
+    """Tokens of (previous prompt + previous output) the new prompt still starts with."""
+    expected_tokens: int
+    """Length of previous prompt + previous output."""
+    message_index: int | None
+    """Index in ``conversation.messages`` of the message where the difference starts."""
+    hazard: str
+    """A name from the hazard catalogue, e.g. ``reasoning-pruned``, ``retokenized``."""
+    detail: str
+
+    @property
+    def lost_tokens(self) -> int:
+        return self.expected_tokens - self.matched_tokens
+
+
+@dataclass(frozen=True)
+class RewriteReport:
+    """What survived a rewrite of the history."""
+
+    reason: str
+    epoch: int
+    surviving_messages: int
+    """Messages at the start of the history that are unchanged."""
+    surviving_tokens: int | None
+    """Token ids at the start of the exact history that are unchanged (exact mode)."""
+    dropped_tokens: int | None
+
+
+@dataclass(frozen=True)
+class TurnReceipt:
+    """One turn's outcome, from the response and (behind agentkv's router) its headers."""
+
+    conversation_id: str
+    turn: int
+    epoch: int
+    mode: Mode
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int | None
+    """``usage.prompt_tokens_details.cached_tokens`` as the server reported it."""
+    decision: str | None
+    """``X-AgentKV-Decision`` (``pull``, ``local``, ``recompute``, ``miss``, ``stale``,
+    ``expired``); None when no agentkv router answered."""
+    reused_tokens: int | None
+    verified_prefix_tokens: int | None
+    finish_reason: str | None
+    latency_s: float
+    ttft_s: float | None = None
+    drift: Drift | None = None
+    rewrite: RewriteReport | None = None
+    request_id: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def router_fields(headers: Mapping[str, str]) -> tuple[str | None, int | None, int | None]:
+    """(decision, reused tokens, verified prefix tokens) from agentkv's response headers."""
+
+    def number(name: str) -> int | None:
+        value = headers.get(name)
+        try:
+            return int(value) if value is not None else None
+        except ValueError:
+            return None
+
+    return (
+        headers.get(HEADER_DECISION),
+        number(HEADER_REUSED_TOKENS),
+        number(HEADER_VERIFIED_PREFIX_TOKENS),
+    )
