@@ -42,7 +42,7 @@ __all__ = ["STATE_VERSION", "Ledger", "RenderJob", "TurnResult"]
 
 STATE_VERSION = 1
 _THINK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
-_RESERVED = {"messages", "model", "extra_body", "extra_headers", "n"}
+_RESERVED = {"messages", "model", "n"}
 
 
 @dataclass(frozen=True)
@@ -219,18 +219,26 @@ class Ledger:
         if bad:
             raise ConversationError(
                 f"{', '.join(sorted(bad))} cannot be passed to create(): the conversation owns "
-                "messages, model and ids (pass extra fields as keyword arguments).",
+                "its messages and model (add messages with add_user/add_tool_result).",
                 conversation_id=self.id,
             )
         kwargs = dict(chat_kwargs)
-        model = kwargs.pop("model_override", None) or self.model
+        user_body = dict(kwargs.pop("extra_body", None) or {})
+        user_headers = dict(kwargs.pop("extra_headers", None) or {})
+        model = self.model
         if not model:
             raise ConversationError(
                 "No model: pass model= to conversation().", conversation_id=self.id
             )
-        extra_body: dict[str, Any] = {BODY_SESSION_ID: self.id, BODY_RETURN_TOKEN_IDS: True}
+        extra_body: dict[str, Any] = {**user_body, BODY_SESSION_ID: self.id}
+        extra_body[BODY_RETURN_TOKEN_IDS] = True
         if self.chat_template_kwargs:
-            extra_body["chat_template_kwargs"] = dict(self.chat_template_kwargs)
+            extra_body["chat_template_kwargs"] = {
+                **self.chat_template_kwargs,
+                **(user_body.get("chat_template_kwargs") or {}),
+            }
+        # A client never sends its own transfer handle: only the exact prompt ids.
+        extra_body.pop(BODY_KV_TRANSFER_PARAMS, None)
         if self.mode == "exact" and prompt_ids is not None:
             extra_body[BODY_KV_TRANSFER_PARAMS] = {BODY_PROMPT_TOKEN_IDS: prompt_ids}
         if kwargs.get("stream"):
@@ -243,7 +251,11 @@ class Ledger:
             "model": model,
             "messages": self._wire_messages(),
             "extra_body": extra_body,
-            "extra_headers": {HEADER_CONVERSATION_ID: self.id, HEADER_EPOCH: str(self.epoch)},
+            "extra_headers": {
+                **user_headers,
+                HEADER_CONVERSATION_ID: self.id,
+                HEADER_EPOCH: str(self.epoch),
+            },
             **kwargs,
         }
 
