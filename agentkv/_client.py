@@ -162,6 +162,7 @@ class Conversation(_BaseConversation[openai.OpenAI]):
             self._finish(prompt_ids, result, span)
             return completion
         except BaseException as exc:
+            ledger.abandon()
             span.fail(exc)
             raise
 
@@ -230,6 +231,7 @@ class ConversationStream:
                 if self._acc.add(chunk):
                     yield chunk
         except BaseException as exc:
+            self._conv._ledger.abandon()
             self._span.fail(exc)
             raise
         self.receipt = self._conv._finish(self._prompt_ids, self._acc.result(), self._span)
@@ -243,6 +245,8 @@ class ConversationStream:
     def close(self) -> None:
         """Stop reading; an unfinished turn is not recorded."""
         self._stream.close()
+        if self.receipt is None:
+            self._conv._ledger.abandon()
         self._span.end()
 
 
@@ -371,6 +375,7 @@ class AsyncConversation(_BaseConversation[openai.AsyncOpenAI]):
             await self._finish(prompt_ids, result, span)
             return completion
         except BaseException as exc:
+            ledger.abandon()
             span.fail(exc)
             raise
 
@@ -440,6 +445,7 @@ class AsyncConversationStream:
                 if self._acc.add(chunk):
                     yield chunk
         except BaseException as exc:
+            self._conv._ledger.abandon()
             self._span.fail(exc)
             raise
         self.receipt = await self._conv._finish(self._prompt_ids, self._acc.result(), self._span)

@@ -133,10 +133,11 @@ class Ledger:
         """Exact mode: the previous prompt + the previous answer's ids; None until a turn ran
         or after a rewrite."""
         self.last_output_ids: list[int] = []
-        self.last_prompt_ids: list[int] | None = None
+        self.last_prompt_len: int | None = None
         self._boundaries: list[tuple[int, int]] = []
         """(message count, token offset): ``ids[:offset]`` holds exactly the first
         ``message count`` messages (plus the turn's generation prompt)."""
+        self._turn_base: int | None = None
         self.pending_rewrite: RewriteReport | None = None
         self.warned_drift = False
         self.receipts: list[TurnReceipt] = []
@@ -203,11 +204,22 @@ class Ledger:
         )
 
     def next_prompt(self, job: RenderJob, rendered: list[int]) -> list[int]:
-        """The whole next prompt from what the renderer returned for ``job``."""
+        """The whole next prompt from what the renderer returned for ``job``.
+
+        An ``append`` prompt is the ledger's own id list, extended in place (no copy of the
+        history per turn); :meth:`abandon` takes the extension back if the turn fails."""
         if job.kind == "full":
             return list(rendered)
         assert self.ids is not None
-        return [*self.ids, *rendered]
+        self._turn_base = len(self.ids)
+        self.ids.extend(rendered)
+        return self.ids
+
+    def abandon(self) -> None:
+        """Undo :meth:`next_prompt` after a failed turn: the history is as before it."""
+        if self._turn_base is not None and self.ids is not None:
+            del self.ids[self._turn_base :]
+        self._turn_base = None
 
     def request(
         self, prompt_ids: list[int] | None, chat_kwargs: Mapping[str, Any]
@@ -270,16 +282,32 @@ class Ledger:
             out.append(m)
         return out
 
+    @property
+    def last_prompt_ids(self) -> list[int] | None:
+        """The last prompt's ids (a copy)."""
+        if self.ids is None or self.last_prompt_len is None:
+            return None
+        return self.ids[: self.last_prompt_len]
+
     def absorb(
         self, prompt_ids: list[int] | None, result: TurnResult, drift: Drift | None
     ) -> TurnReceipt:
-        """Record a successful response; returns its receipt."""
+        """Record a successful response; returns its receipt.
+
+        ``prompt_ids`` (exact mode) is taken over, not copied: the ledger extends it with the
+        answer's ids, so a turn costs no copy of the history."""
+        self._turn_base = None
         message = {k: v for k, v in result.message.items() if v is not None}
         message["role"] = "assistant"
         if "content" not in message:
             message["content"] = None
         out_ids = result.output_token_ids
-        sent_ids = prompt_ids if prompt_ids is not None else result.prompt_token_ids
+        if prompt_ids is not None:
+            sent_ids: list[int] | None = prompt_ids
+        elif result.prompt_token_ids is not None:
+            sent_ids = list(result.prompt_token_ids)
+        else:
+            sent_ids = None
         start = len(self._messages)
         self._messages.append(message)
         self._sent = len(self._messages)
@@ -289,12 +317,14 @@ class Ledger:
                 self._boundaries.append((start, len(sent_ids)))
             else:
                 self._boundaries = [(start, len(sent_ids))]
-            self.ids = [*sent_ids, *out_ids]
+            self.last_prompt_len = len(sent_ids)
+            sent_ids.extend(out_ids)
+            self.ids = sent_ids
             self._boundaries.append((len(self._messages), len(self.ids)))
         else:
             self.ids = None
+            self.last_prompt_len = None
             self._boundaries = []
-        self.last_prompt_ids = list(sent_ids) if sent_ids is not None else None
         self.last_output_ids = list(out_ids or [])
         usage = result.usage or {}
         details = usage.get("prompt_tokens_details") or {}
@@ -304,7 +334,7 @@ class Ledger:
             turn=self.turns,
             epoch=self.epoch,
             mode=self.mode,
-            prompt_tokens=int(usage.get("prompt_tokens") or len(sent_ids or [])),
+            prompt_tokens=int(usage.get("prompt_tokens") or self.last_prompt_len or 0),
             completion_tokens=int(usage.get("completion_tokens") or len(out_ids or [])),
             cached_tokens=details.get("cached_tokens") if isinstance(details, Mapping) else None,
             decision=decision,
@@ -424,7 +454,7 @@ class Ledger:
             "sent": self._sent,
             "ids": self.ids,
             "last_output_ids": self.last_output_ids,
-            "last_prompt_ids": self.last_prompt_ids,
+            "last_prompt_len": self.last_prompt_len,
             "boundaries": [list(b) for b in self._boundaries],
         }
 
@@ -450,8 +480,8 @@ class Ledger:
             ids = state.get("ids")
             ledger.ids = [int(t) for t in ids] if ids is not None else None
             ledger.last_output_ids = [int(t) for t in state.get("last_output_ids") or []]
-            last = state.get("last_prompt_ids")
-            ledger.last_prompt_ids = [int(t) for t in last] if last is not None else None
+            last = state.get("last_prompt_len")
+            ledger.last_prompt_len = int(last) if last is not None else None
             ledger._boundaries = [(int(a), int(b)) for a, b in state.get("boundaries") or []]
         except (KeyError, TypeError, ValueError) as exc:
             raise StateError(f"Malformed conversation state: {exc!r}") from exc

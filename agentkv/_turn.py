@@ -98,20 +98,29 @@ def _assistant(message: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _extra(obj: Any, name: str) -> Any:
+    """A vLLM field the openai types do not declare (kept in ``model_extra``)."""
+    extra = getattr(obj, "model_extra", None)
+    if isinstance(extra, dict):
+        return extra.get(name)
+    return obj.get(name) if isinstance(obj, Mapping) else None
+
+
 def result_from_completion(
     completion: Any, headers: Mapping[str, str], latency_s: float
 ) -> TurnResult:
-    data = _dump(completion)
-    choice = (data.get("choices") or [{}])[0]
+    """The turn in a ``ChatCompletion`` (without copying its token-id lists)."""
+    choice = completion.choices[0] if completion.choices else None
+    usage = completion.usage
     return TurnResult(
-        message=_assistant(choice.get("message") or {}),
-        prompt_token_ids=data.get("prompt_token_ids"),
-        output_token_ids=choice.get("token_ids"),
-        finish_reason=choice.get("finish_reason"),
-        usage=data.get("usage"),
+        message=_assistant(_dump(choice.message) if choice is not None else {}),
+        prompt_token_ids=_extra(completion, "prompt_token_ids"),
+        output_token_ids=_extra(choice, "token_ids") if choice is not None else None,
+        finish_reason=choice.finish_reason if choice is not None else None,
+        usage=_dump(usage) if usage is not None else None,
         headers=dict(headers),
         latency_s=latency_s,
-        request_id=data.get("id"),
+        request_id=completion.id,
     )
 
 
@@ -196,9 +205,15 @@ def check_exact(ledger: Ledger, prompt_ids: list[int], result: TurnResult) -> li
     """The prompt ids to record for an exact-mode turn, or None when the server did not honour
     them (then the conversation falls back to messages mode, with a warning)."""
     problem = None
+    got = result.prompt_token_ids
     if result.output_token_ids is None:
         problem = "the server returned no token ids (return_token_ids)"
-    elif result.prompt_token_ids is not None and result.prompt_token_ids != prompt_ids:
+    elif got is not None and (
+        len(got) != len(prompt_ids)
+        or got[:256] != prompt_ids[:256]
+        or got[-256:] != prompt_ids[-256:]
+    ):
+        # length and both ends: a server that re-rendered the messages differs in all three
         problem = "the server ignored kv_transfer_params.prompt_token_ids (vLLM >= 0.33 honours it)"
     if problem is None:
         return prompt_ids

@@ -199,3 +199,22 @@ async def test_async_twin(sim):
         assert stream.receipt.completion_tokens == 6
         assert conv._ledger.last_prompt_ids[: len(first)] == first
         assert await conv.close() is False
+
+
+def test_failed_append_turn_leaves_token_history_unchanged(client, faults):
+    conv = client.conversation(model="sim")
+    conv.add_user("hi")
+    conv.create(max_tokens=4)
+    before = conv.token_ids
+    conv.add_user("second")
+    faults.post("/_sim/faults", json={"fail_next": 1, "fail_status": 422})
+    with pytest.raises(openai.UnprocessableEntityError):
+        conv.create(max_tokens=4)
+    assert conv.token_ids == before
+    faults.post("/_sim/faults", json={"cut_stream_after": 2})
+    with pytest.raises(openai.APIConnectionError):
+        list(conv.create(max_tokens=8, stream=True))
+    assert conv.token_ids == before
+    faults.post("/_sim/faults", json={"cut_stream_after": None})
+    conv.create(max_tokens=4)
+    assert conv._ledger.last_prompt_ids[: len(before)] == before
