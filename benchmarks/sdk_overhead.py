@@ -30,7 +30,7 @@ from agentkv._rendering import RemoteRenderer
 from agentkv.sim.launch import start_sims
 from benchmarks._report import machine, write_section
 
-WORDS = ["agents", "resend", "their", "whole", "growing", "history", "every", "turn", "so", "the", "prefix", "matters", "a", "lot"]
+WORDS = "agents resend their whole growing history every turn so the prefix matters a lot".split()
 
 
 class _Clock:
