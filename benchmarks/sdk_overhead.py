@@ -30,7 +30,10 @@ from agentkv._rendering import RemoteRenderer
 from agentkv.sim.launch import start_sims
 from benchmarks._report import machine, write_section
 
-WORDS = "agents resend their whole growing history every turn so the prefix matters a lot".split()
+WORDS = [
+    *("agents", "resend", "their", "whole", "growing", "history", "every"),
+    *("turn", "so", "the", "prefix", "matters", "a", "lot"),
+]
 
 
 class _Clock:
