@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +26,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from agentkv.chat.template import ChatTemplate, load_template
+from agentkv.chat.tokenizer import ChatTokenizer, load_tokenizer
 from agentkv.protocol import (
     HEADER_REQUEST_ID,
     HEADER_SIM_MODEL_TTFT_MS,
@@ -44,11 +48,11 @@ from agentkv.sim.serving import (
     plan_chat,
     plan_completion,
 )
-from agentkv.sim.template import ChatTemplate, load_template
-from agentkv.sim.tokenizer import SimTokenizer, load_tokenizer
 from agentkv.sim.transfer import TransferClient
 
 __all__ = ["SimState", "create_app"]
+
+_log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
 
@@ -84,7 +88,7 @@ async def _json_body(request: Request) -> dict[str, Any]:
 def create_app(
     config: SimConfig | None = None,
     *,
-    tokenizer: SimTokenizer | None = None,
+    tokenizer: ChatTokenizer | None = None,
     template: ChatTemplate | None = None,
     cost: CostModel | None = None,
     clock: Clock | None = None,
@@ -157,8 +161,22 @@ def create_app(
 Handler = Any
 
 
+def _check_model(state: SimState, body: dict[str, Any]) -> None:
+    """vLLM's ``_check_model``: an empty or absent ``model`` means the served one."""
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise EngineError(400, "`model` must be a string.", param="model")
+    name = state.config.served_model_name
+    if model and model != name:
+        raise EngineError(
+            404, f"The model `{model}` does not exist. Valid aliases: {name}.", param="model"
+        )
+
+
 def _guard(fn: Handler) -> Handler:
-    """Turn :class:`EngineError` into OpenAI's error shape (never a traceback)."""
+    """Errors in OpenAI's error shape, never a traceback: :class:`EngineError` as it says;
+    anything else as vLLM's ``create_error_response`` maps a raw exception (``ValueError``,
+    ``TypeError``, ``OverflowError``: 400; the rest: 500, logged)."""
 
     async def handler(request: Request) -> Response:
         try:
@@ -166,6 +184,11 @@ def _guard(fn: Handler) -> Handler:
             return response
         except EngineError as exc:
             return _error(exc.status, exc.message, exc.param)
+        except (ValueError, TypeError, OverflowError) as exc:
+            return _error(400, str(exc))
+        except Exception as exc:
+            _log.exception("unexpected error in %s %s", request.method, request.url.path)
+            return _error(500, f"Internal server error: {type(exc).__name__}")
 
     return handler
 
@@ -175,9 +198,7 @@ def _generate(state: SimState, *, chat: bool) -> Handler:
 
     async def handler(request: Request) -> Response:
         body = await _json_body(request)
-        model = body.get("model")
-        if model is not None and model != state.config.served_model_name:
-            raise EngineError(404, f"The model `{model}` does not exist.", param="model")
+        _check_model(state, body)
         if faults.delay_s:
             await asyncio.sleep(faults.delay_s)
         if faults.take_failure():
@@ -222,16 +243,30 @@ async def _stream(
         for chunk in writer.first():
             yield chunk
         count = 0
+        held: int | None = None  # the last token, sent with the engine's Finished (as vLLM)
         async for event in events:
             if isinstance(event, Finished):
-                for chunk in writer.finish(sched, event):
+                for chunk in writer.last(held, sched, event):
                     yield chunk
-            elif isinstance(event, int):
-                count += 1
-                for chunk in writer.token(event):
+                held = None
+                continue
+            if not isinstance(event, int):
+                continue
+            if held is not None:  # it was not the last after all
+                for chunk in writer.token(held):
                     yield chunk
-                if cut is not None and count >= cut:
-                    raise ConnectionAbortedError("fault: stream cut")
+                held = None
+            if cut is not None and count >= cut:  # ``cut_stream_after: 0``: no token at all
+                raise ConnectionAbortedError("fault: stream cut")
+            count += 1
+            cutting = cut is not None and count >= cut
+            if writer.expects_last() and not cutting:
+                held = event
+                continue
+            for chunk in writer.token(event):
+                yield chunk
+            if cutting:
+                raise ConnectionAbortedError("fault: stream cut")
     finally:
         aclose = getattr(events, "aclose", None)
         if aclose is not None:
@@ -243,6 +278,7 @@ def _tokenize(state: SimState) -> Handler:
 
     async def handler(request: Request) -> Response:
         body = await _json_body(request)
+        _check_model(state, body)
         if "messages" in body:
             text = r.render_chat(body)
             ids = r.tokenizer.encode(
@@ -259,8 +295,9 @@ def _tokenize(state: SimState) -> Handler:
             "max_model_len": state.config.max_model_len,
             "tokens": ids,
         }
-        if body.get("return_token_strs"):
-            out["token_strs"] = [r.tokenizer.id_to_token(t) for t in ids]
+        out["token_strs"] = (
+            [r.tokenizer.id_to_token(t) for t in ids] if body.get("return_token_strs") else None
+        )
         return JSONResponse(out)
 
     return _guard(handler)
@@ -271,6 +308,7 @@ def _detokenize(state: SimState) -> Handler:
 
     async def handler(request: Request) -> Response:
         body = await _json_body(request)
+        _check_model(state, body)
         tokens = body.get("tokens")
         if not isinstance(tokens, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in tokens
@@ -295,6 +333,22 @@ def _models(state: SimState) -> Handler:
             "root": cfg.served_model_name,
             "parent": None,
             "max_model_len": cfg.max_model_len,
+            "permission": [
+                {
+                    "id": f"modelperm-{uuid.uuid4().hex[:16]}",
+                    "object": "model_permission",
+                    "created": int(time.time()),
+                    "allow_create_engine": False,
+                    "allow_sampling": True,
+                    "allow_logprobs": True,
+                    "allow_search_indices": False,
+                    "allow_view": True,
+                    "allow_fine_tuning": False,
+                    "organization": "*",
+                    "group": None,
+                    "is_blocking": False,
+                }
+            ],
         }
         return JSONResponse({"object": "list", "data": [card]})
 
@@ -360,6 +414,8 @@ def _notify(state: SimState) -> Handler:
 
 
 def _faults(state: SimState) -> Handler:
+    exit_timer: list[asyncio.TimerHandle] = []  # the pending ``exit_after_s``, if any
+
     async def handler(request: Request) -> Response:
         if request.method == "POST":
             body = await _json_body(request)
@@ -369,8 +425,12 @@ def _faults(state: SimState) -> Handler:
                 raise EngineError(400, f"Invalid fault knobs: {exc}") from exc
             for name in Faults.model_fields:
                 setattr(state.faults, name, getattr(update, name))
-            if update.exit_after_s is not None:
-                asyncio.get_running_loop().call_later(update.exit_after_s, os._exit, 1)
+            if "exit_after_s" in body:  # a new value replaces (null cancels) the pending exit
+                while exit_timer:
+                    exit_timer.pop().cancel()
+                if update.exit_after_s is not None:
+                    loop = asyncio.get_running_loop()
+                    exit_timer.append(loop.call_later(update.exit_after_s, os._exit, 1))
         return JSONResponse(state.faults.model_dump())
 
     return _guard(handler)

@@ -9,14 +9,18 @@ from __future__ import annotations
 import hashlib
 import time
 import uuid
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
 import orjson
 from pydantic import ValidationError
 
-from agentkv.protocol import BODY_SIM_SCRIPT
+from agentkv.chat.template import ChatTemplate, TemplateError
+from agentkv.chat.tokenizer import ChatTokenizer
+from agentkv.protocol import BODY_SIM_SCRIPT, KVTransferParams
 from agentkv.sim.config import SimConfig
 from agentkv.sim.engine import EngineError, Finished, GenRequest, Scheduled
 from agentkv.sim.outputs import (
@@ -27,10 +31,12 @@ from agentkv.sim.outputs import (
     render_script,
     stream_deltas,
 )
-from agentkv.sim.template import ChatTemplate, TemplateError
-from agentkv.sim.tokenizer import SimTokenizer
 
 __all__ = ["Plan", "Renderer", "plan_chat", "plan_completion", "sse"]
+
+_REUSED_IDS = "kv_transfer_params.prompt_token_ids"
+# vLLM's ``VLLMValidationError`` appends the parameter to its message.
+_REUSED_IDS_PARAM = f"parameter={_REUSED_IDS}"
 
 
 def sse(data: dict[str, Any] | str) -> bytes:
@@ -57,7 +63,8 @@ class Plan:
     thinking: bool = True
     seed: int = 0
     tool_choice: str = "auto"
-    stop_reason: str | None = None
+    stop: StopHit | None = None
+    """The stop string that ends the planned output, if one does."""
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -66,7 +73,7 @@ class Renderer:
     """Tokenizer + template + configuration: turns requests into prompts and outputs."""
 
     config: SimConfig
-    tokenizer: SimTokenizer
+    tokenizer: ChatTokenizer
     template: ChatTemplate
 
     @property
@@ -81,6 +88,12 @@ class Renderer:
         for m in messages:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise EngineError(400, "Each message needs a string `role`.", param="messages")
+            if not isinstance(m.get("content"), (str, list, type(None))):
+                raise EngineError(
+                    400,
+                    "A message's `content` must be a string, a list of content parts or null.",
+                    param="messages",
+                )
         add_gen = body.get("add_generation_prompt", True)
         cont = body.get("continue_final_message", False)
         if add_gen and cont:
@@ -91,14 +104,16 @@ class Renderer:
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise EngineError(400, "`chat_template_kwargs` must be an object.")
-        template = self.template
-        if isinstance(body.get("chat_template"), str):
-            special = self.tokenizer.special_tokens_map
-            template = ChatTemplate(body["chat_template"], name="request", special_tokens=special)
         tools = body.get("tools")
         if tools is not None and not isinstance(tools, list):
             raise EngineError(400, "`tools` must be a list.", param="tools")
         try:
+            template = self.template
+            if isinstance(body.get("chat_template"), str):
+                special = self.tokenizer.special_tokens_map
+                template = ChatTemplate(
+                    body["chat_template"], name="request", special_tokens=special
+                )
             return template.render_request(
                 messages,
                 tools=tools,
@@ -107,8 +122,9 @@ class Renderer:
                 **kwargs,
             )
         except TemplateError as exc:
-            raise EngineError(400, f"Chat template error: {exc}", param="messages") from exc
-        except ValueError as exc:
+            # vLLM (``safe_apply_chat_template``): 400 with the template's own reason.
+            raise EngineError(400, str(exc)) from exc
+        except (ValueError, TypeError) as exc:
             raise EngineError(400, str(exc), param="messages") from exc
 
     def chat_prompt_ids(
@@ -125,16 +141,17 @@ class Renderer:
                 raise EngineError(
                     400,
                     "`kv_transfer_params['prompt_token_ids']` must be a non-empty list of "
-                    "non-negative integers.",
-                    param="kv_transfer_params.prompt_token_ids",
+                    f"non-negative integers. ({_REUSED_IDS_PARAM})",
+                    param=_REUSED_IDS,
                 )
-            for t in ids:
-                if not self.tokenizer.is_valid_id(t):
-                    raise EngineError(
-                        400,
-                        f"Token id {t} is out of vocabulary",
-                        param="kv_transfer_params.prompt_token_ids",
-                    )
+            # vLLM's ``validate_token_ids`` names the largest id out of range.
+            bad = [t for t in ids if not self.tokenizer.is_valid_id(t)]
+            if bad:
+                raise EngineError(
+                    400,
+                    f"Token id {max(bad)} is out of vocabulary ({_REUSED_IDS_PARAM})",
+                    param=_REUSED_IDS,
+                )
             tail = self.tokenizer.decode(ids[-4:])
             return list(ids), _opens_think(tail)
         text = self.render_chat(body)
@@ -172,8 +189,9 @@ class Renderer:
         max_tokens: int | None,
         thinking: bool = True,
         prompt_ends_in_think: bool = False,
-    ) -> tuple[list[int], str | None]:
-        """The tokens the model will emit, and the stop string that cut them (if any)."""
+        min_tokens: int = 0,
+    ) -> tuple[list[int], StopHit | None]:
+        """The tokens the model will emit, and the stop string that ends them (if any)."""
         script = _script(body)
         eos = self.eos_id
         end_with_eos = True
@@ -205,31 +223,29 @@ class Renderer:
         if script is not None and script.finish_reason == "length":
             end_with_eos = False
         ids = self.tokenizer.encode(text)
-        min_tokens = int(body.get("min_tokens") or 0)
         ignore_eos = bool(body.get("ignore_eos"))
         if ignore_eos or len(ids) < min_tokens:
             want = max(min_tokens, max_tokens or 0) if ignore_eos else min_tokens
+            # Never more than the engine can emit (the caller checked min_tokens against it).
+            want = min(want, max(0, self.config.max_model_len - len(prompt_ids)))
             filler = 0
             while len(ids) < want:
                 ids += self.tokenizer.encode(generate_text(_seed(body, prompt_ids) + filler, 256))
                 filler += 1
             if ignore_eos:
                 end_with_eos = False
-        stop_reason = None
-        stops = body.get("stop")
-        if isinstance(stops, str):
-            stops = [stops]
-        if isinstance(stops, list) and stops:
-            ids, stop_reason = _cut_at_stop(
-                self.tokenizer, ids, [s for s in stops if isinstance(s, str) and s]
-            )
-            if stop_reason is not None:
+        hit = None
+        stops = _stop_strings(body)
+        if stops:
+            hit = _find_stop(self.tokenizer, ids, stops, min_tokens)
+            if hit is not None:
+                ids = ids[: hit.num_tokens]
                 end_with_eos = False
         if end_with_eos and eos is not None:
             ids.append(eos)
         if not ids:
             ids = [eos] if eos is not None else self.tokenizer.encode(".")
-        return ids, stop_reason
+        return ids, hit
 
     def stop_ids(self) -> frozenset[int]:
         return frozenset() if self.eos_id is None else frozenset({self.eos_id})
@@ -260,21 +276,48 @@ def _opens_think(text: str) -> bool:
     return stripped.endswith("<think>")
 
 
-def _cut_at_stop(
-    tok: SimTokenizer, ids: list[int], stops: list[str]
-) -> tuple[list[int], str | None]:
-    text = tok.decode(ids, skip_special_tokens=True)
-    best: tuple[int, str] | None = None
+@dataclass(frozen=True)
+class StopHit:
+    """Where a stop string ends the output (vLLM ``Detokenizer.update``)."""
+
+    stop: str
+    num_tokens: int
+    """Tokens kept: up to and including the one that completes the stop string."""
+    text_len: int
+    """The output text is cut here, before the stop string."""
+
+
+def _stop_strings(body: dict[str, Any]) -> list[str]:
+    stops = body.get("stop")
+    if stops is None:
+        return []
+    if isinstance(stops, str):
+        stops = [stops]
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise EngineError(400, "`stop` must be a string or a list of strings.", param="stop")
+    return [s for s in stops if s]
+
+
+def _find_stop(
+    tok: ChatTokenizer, ids: list[int], stops: list[str], min_tokens: int
+) -> StopHit | None:
+    """The stop string that completes first in the text after the first ``min_tokens`` tokens
+    (ties: list order). vLLM keeps the token that completes it and cuts the text before it."""
+    pieces = _pieces(tok, ids)
+    if min_tokens >= len(pieces):
+        return None
+    text = "".join(pieces)
+    ends = list(accumulate(len(p) for p in pieces))
+    floor = ends[min_tokens - 1] if min_tokens > 0 else 0
+    best: tuple[int, int, str] | None = None  # (end, start, stop)
     for s in stops:
-        i = text.find(s)
-        if i >= 0 and (best is None or i < best[0]):
-            best = (i, s)
+        start = text.find(s, max(0, floor - len(s) + 1))
+        if start >= 0 and (best is None or start + len(s) < best[0]):
+            best = (start + len(s), start, s)
     if best is None:
-        return ids, None
-    for k in range(len(ids) + 1):
-        if len(tok.decode(ids[:k], skip_special_tokens=True)) > best[0]:
-            return ids[: max(0, k - 1)], best[1]
-    return ids, best[1]
+        return None
+    end, start, stop = best
+    return StopHit(stop, bisect_left(ends, end) + 1, start)
 
 
 def _int_field(body: dict[str, Any], *names: str) -> int | None:
@@ -288,12 +331,38 @@ def _int_field(body: dict[str, Any], *names: str) -> int | None:
     return None
 
 
+def _check_handle(kv: dict[str, Any]) -> None:
+    """Reject handle fields of the wrong type before the engine acts on any of them (vLLM's
+    connector would fail inside the engine). ``prompt_token_ids`` has its own checks."""
+    fields = {k: v for k, v in kv.items() if k != "prompt_token_ids"}
+    try:
+        KVTransferParams.model_validate(fields)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        where = ".".join(str(part) for part in errors[0]["loc"])
+        detail = "; ".join(
+            f"{'.'.join(str(part) for part in e['loc'])}: {e['msg']}" for e in errors
+        )
+        raise EngineError(
+            400,
+            f"Invalid `kv_transfer_params`: {detail}",
+            param=f"kv_transfer_params.{where}" if where else "kv_transfer_params",
+        ) from exc
+
+
 def _common(body: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
     kv = body.get("kv_transfer_params")
     if kv is not None and not isinstance(kv, dict):
         raise EngineError(
             400, "`kv_transfer_params` must be an object.", param="kv_transfer_params"
         )
+    if kv is not None:
+        _check_handle(kv)
+    seed = body.get("seed")
+    if seed is not None and (
+        not isinstance(seed, int) or isinstance(seed, bool) or not -(2**63) <= seed < 2**63
+    ):
+        raise EngineError(400, "`seed` must be a 64-bit integer.", param="seed")
     n = body.get("n", 1)
     if n not in (None, 1):
         raise EngineError(400, "The simulator serves n=1 only.", param="n")
@@ -316,16 +385,26 @@ def _plan(r: Renderer, body: dict[str, Any], *, chat: bool, request_id: str) -> 
     )
     if not chat and max_tokens is None:
         max_tokens = 16  # OpenAI's completions default, which vLLM keeps
+    room = r.config.max_model_len - len(prompt_ids)  # what the context leaves for output
+    min_tokens = _min_tokens(body, max_tokens, room)
     kwargs = body.get("chat_template_kwargs") or {}
     thinking = bool(kwargs.get("enable_thinking", kwargs.get("thinking", True)))
-    out, stop_reason = r.output_ids(
+    out, stop = r.output_ids(
         body,
         prompt_ids,
         chat=chat,
         max_tokens=max_tokens,
         thinking=thinking,
         prompt_ends_in_think=ends_in_think,
+        min_tokens=min_tokens,
     )
+    script = _script(body)
+    if stop is None and script is not None and script.finish_reason == "length":
+        # The engine reports ``length`` when it stops at its limit: make the script's end one.
+        if max_tokens is not None:
+            max_tokens = min(max_tokens, len(out))
+        elif len(out) < room:
+            max_tokens = len(out)
     tool_choice = body.get("tool_choice", "auto")
     stream = bool(body.get("stream"))
     opts = body.get("stream_options") or {}
@@ -358,8 +437,30 @@ def _plan(r: Renderer, body: dict[str, Any], *, chat: bool, request_id: str) -> 
         thinking=thinking,
         seed=_seed(body, prompt_ids),
         tool_choice="none" if tool_choice == "none" else "auto",
-        stop_reason=stop_reason,
+        stop=stop,
     )
+
+
+def _min_tokens(body: dict[str, Any], max_tokens: int | None, room: int) -> int:
+    """``min_tokens`` checked as vLLM's ``SamplingParams`` does; ``room`` is what the context
+    leaves for output (vLLM's default ``max_tokens``)."""
+    value = body.get("min_tokens")
+    if value is None:
+        return 0
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise EngineError(400, "`min_tokens` must be an integer.", param="min_tokens")
+    if value < 0:
+        raise EngineError(
+            400, f"min_tokens must be greater than or equal to 0, got {value}.", param="min_tokens"
+        )
+    limit = max_tokens if max_tokens is not None else room
+    if value > limit > 0:
+        raise EngineError(
+            400,
+            f"min_tokens must be less than or equal to max_tokens={limit}, got {value}.",
+            param="min_tokens",
+        )
+    return value
 
 
 def plan_chat(r: Renderer, body: dict[str, Any], base_id: str | None) -> Plan:
@@ -382,6 +483,7 @@ def usage(r: Renderer, plan: Plan, sched: Scheduled, completion_tokens: int) -> 
         "total_tokens": n + completion_tokens,
         "completion_tokens": completion_tokens,
         "prompt_tokens_details": None,
+        "completion_tokens_details": None,
     }
     if r.config.prompt_tokens_details:
         cached = (
@@ -393,10 +495,33 @@ def usage(r: Renderer, plan: Plan, sched: Scheduled, completion_tokens: int) -> 
     return out
 
 
+def _stopped(plan: Plan, ids: Sequence[int]) -> bool:
+    """Whether ``ids`` (what the engine emitted) end at the planned stop string."""
+    return plan.stop is not None and len(ids) == plan.stop.num_tokens
+
+
+def _stop_reason(plan: Plan, ids: Sequence[int]) -> str | None:
+    return plan.stop.stop if plan.stop is not None and _stopped(plan, ids) else None
+
+
+def _engine_finish(plan: Plan, fin: Finished) -> str:
+    # A stop string wins over the length limit on the same token (vLLM's output processor).
+    return "stop" if _stopped(plan, fin.output_ids) else fin.finish_reason
+
+
 def _finish_reason(plan: Plan, fin: Finished, has_tools: bool) -> str:
-    if has_tools and fin.finish_reason == "stop":
+    finish = _engine_finish(plan, fin)
+    if has_tools and finish == "stop":
         return "tool_calls"
-    return fin.finish_reason
+    return finish
+
+
+def _text(r: Renderer, plan: Plan, ids: Sequence[int]) -> str:
+    """The output text vLLM returns for ``ids``: cut before the stop string that ended it."""
+    text = r.tokenizer.decode(ids, skip_special_tokens=True)
+    if plan.stop is not None and _stopped(plan, ids):
+        text = text[: plan.stop.text_len]
+    return text
 
 
 def _parse_kwargs(r: Renderer, plan: Plan) -> dict[str, Any]:
@@ -410,32 +535,31 @@ def _parse_kwargs(r: Renderer, plan: Plan) -> dict[str, Any]:
 
 
 def _message(r: Renderer, plan: Plan, ids: Sequence[int]) -> tuple[dict[str, Any], bool]:
-    text = r.tokenizer.decode(ids, skip_special_tokens=True)
-    parsed = parse_output(text, **_parse_kwargs(r, plan))
+    parsed = parse_output(_text(r, plan, ids), **_parse_kwargs(r, plan))
     msg: dict[str, Any] = {
         "role": "assistant",
         "content": parsed.content,
         "refusal": None,
-        "reasoning": parsed.reasoning,
+        "annotations": None,
+        "audio": None,
+        "function_call": None,
     }
-    if parsed.tool_calls:
+    if parsed.tool_calls:  # vLLM drops an empty ``tool_calls`` list from the message
         msg["tool_calls"] = [
             {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
             for c in parsed.tool_calls
         ]
+    msg["reasoning"] = parsed.reasoning
     return msg, bool(parsed.tool_calls)
 
 
 def full_response(r: Renderer, plan: Plan, sched: Scheduled, fin: Finished) -> dict[str, Any]:
+    """The non-streaming body: every field of vLLM 0.33's response model, as ``model_dump()``
+    writes it (unset fields ``null``)."""
     gen = plan.gen
-    common = {
-        "id": gen.request_id.rsplit("-", 1)[0],
-        "created": plan.created,
-        "model": plan.model,
-        "usage": usage(r, plan, sched, len(fin.output_ids)),
-        "system_fingerprint": None,
-        "kv_transfer_params": fin.kv_transfer_params,
-    }
+    ids = list(fin.output_ids) if plan.return_token_ids else None
+    prompt_ids = list(gen.prompt_ids) if plan.return_token_ids else None
+    head = {"id": gen.request_id.rsplit("-", 1)[0]}
     if plan.chat:
         msg, has_tools = _message(r, plan, fin.output_ids)
         choice: dict[str, Any] = {
@@ -443,28 +567,52 @@ def full_response(r: Renderer, plan: Plan, sched: Scheduled, fin: Finished) -> d
             "message": msg,
             "logprobs": None,
             "finish_reason": _finish_reason(plan, fin, has_tools),
-            "stop_reason": plan.stop_reason,
-            "token_ids": list(fin.output_ids) if plan.return_token_ids else None,
+            "stop_reason": _stop_reason(plan, fin.output_ids),
+            "token_ids": ids,
+            "routed_experts": None,
+            "weight_versions": None,
         }
         return {
+            **head,
             "object": "chat.completion",
+            "created": plan.created,
+            "model": plan.model,
             "choices": [choice],
+            "service_tier": None,
+            "system_fingerprint": None,
+            "usage": usage(r, plan, sched, len(fin.output_ids)),
             "prompt_logprobs": None,
-            "prompt_token_ids": list(gen.prompt_ids) if plan.return_token_ids else None,
-            **common,
+            "prompt_token_ids": prompt_ids,
+            "prompt_text": None,
+            "kv_transfer_params": fin.kv_transfer_params,
+            "ec_transfer_params": None,
+            "metrics": None,
         }
-    text = r.tokenizer.decode(fin.output_ids, skip_special_tokens=True)
     choice = {
         "index": 0,
-        "text": text,
+        "text": _text(r, plan, fin.output_ids),
         "logprobs": None,
-        "finish_reason": fin.finish_reason,
-        "stop_reason": plan.stop_reason,
+        "finish_reason": _engine_finish(plan, fin),
+        "stop_reason": _stop_reason(plan, fin.output_ids),
+        "token_ids": ids,
         "prompt_logprobs": None,
-        "prompt_token_ids": list(gen.prompt_ids) if plan.return_token_ids else None,
-        "token_ids": list(fin.output_ids) if plan.return_token_ids else None,
+        "prompt_token_ids": prompt_ids,
+        "routed_experts": None,
+        "weight_versions": None,
     }
-    return {"object": "text_completion", "choices": [choice], **common}
+    return {
+        **head,
+        "object": "text_completion",
+        "created": plan.created,
+        "model": plan.model,
+        "choices": [choice],
+        "service_tier": None,
+        "system_fingerprint": None,
+        "usage": usage(r, plan, sched, len(fin.output_ids)),
+        "kv_transfer_params": fin.kv_transfer_params,
+        "ec_transfer_params": None,
+        "metrics": None,
+    }
 
 
 class StreamWriter:
@@ -472,109 +620,148 @@ class StreamWriter:
 
     The simulated model's output is known when the request is planned, so the chat deltas
     (reasoning, content, tool calls as vLLM's parsers stream them) are computed once up front
-    and sent token by token as the engine releases each token.
+    and sent token by token as the engine releases each token. Chunks carry the fields vLLM
+    sets on them (it serializes with ``exclude_unset``); the last token comes in the same chunk
+    as ``finish_reason`` and the handle (:meth:`last`), as in vLLM, whose final engine output
+    carries both.
     """
 
     def __init__(self, r: Renderer, plan: Plan, *, with_handle: bool) -> None:
         self.r, self.plan, self.with_handle = r, plan, with_handle
         self.id = plan.gen.request_id.rsplit("-", 1)[0]
         self.count = 0
-        emitted = _emitted(plan.gen)
-        self.pieces = _pieces(r.tokenizer, emitted)
+        emitted = _emitted(plan.gen, r.config.max_model_len)
+        self.expected = len(emitted)
+        pieces = _pieces(r.tokenizer, emitted)
+        if plan.stop is not None and _stopped(plan, emitted):
+            pieces = _cut_pieces(pieces, plan.stop.text_len)
+        self.pieces = pieces
         self.deltas: list[dict[str, Any] | None] = (
             stream_deltas(self.pieces, **_parse_kwargs(r, plan)) if plan.chat else []
         )
 
     def _chunk(self, choice: dict[str, Any] | None, **extra: Any) -> dict[str, Any]:
-        obj = "chat.completion.chunk" if self.plan.chat else "text_completion"
         body: dict[str, Any] = {
             "id": self.id,
-            "object": obj,
+            "object": "chat.completion.chunk" if self.plan.chat else "text_completion",
             "created": self.plan.created,
             "model": self.plan.model,
             "choices": [] if choice is None else [choice],
-            "usage": None,
         }
         body.update(extra)
         return body
+
+    def expects_last(self) -> bool:
+        """Whether the next token should be the request's last (then the engine's
+        :class:`Finished` follows it at once, and :meth:`last` sends both in one chunk)."""
+        return self.count + 1 == self.expected
 
     def first(self) -> list[bytes]:
         """Chat opens with the assistant role (and the prompt ids when asked)."""
         if not self.plan.chat:
             return []
-        extra: dict[str, Any] = {}
-        if self.plan.return_token_ids:
-            extra["prompt_token_ids"] = list(self.plan.gen.prompt_ids)
+        prompt_ids = list(self.plan.gen.prompt_ids) if self.plan.return_token_ids else None
         choice = {
             "index": 0,
             "delta": {"role": "assistant", "content": ""},
             "logprobs": None,
             "finish_reason": None,
         }
-        return [sse(self._chunk(choice, **extra))]
+        return [sse(self._chunk(choice, prompt_token_ids=prompt_ids, prompt_text=None))]
 
-    def token(self, token_id: int) -> list[bytes]:
-        i = self.count
-        self.count += 1
-        ids = [token_id] if self.plan.return_token_ids else None
-        if self.plan.chat:
+    def _choice(self, token_id: int | None) -> dict[str, Any] | None:
+        """The choice for one token (None: vLLM sends nothing for it)."""
+        plan = self.plan
+        ids = None
+        delta = None
+        text = ""
+        first = self.count == 0
+        if token_id is not None:
+            i = self.count
+            self.count += 1
+            ids = [token_id] if plan.return_token_ids else None
             delta = self.deltas[i] if i < len(self.deltas) else None
-            if delta is None and ids is None:
-                return []
-            choice: dict[str, Any] = {
+            text = self.pieces[i] if i < len(self.pieces) else ""
+        if plan.chat:
+            if token_id is not None and delta is None and ids is None:
+                return None
+            return {
                 "index": 0,
                 "delta": delta or {},
                 "logprobs": None,
                 "finish_reason": None,
+                "token_ids": ids,
             }
-        else:
-            choice = {
-                "index": 0,
-                "text": self.pieces[i] if i < len(self.pieces) else "",
-                "logprobs": None,
-                "finish_reason": None,
-                "stop_reason": None,
-            }
-            if i == 0 and self.plan.return_token_ids:
-                choice["prompt_token_ids"] = list(self.plan.gen.prompt_ids)
-        if ids is not None:
-            choice["token_ids"] = ids
-        return [sse(self._chunk(choice))]
+        return {
+            "index": 0,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": None,
+            "stop_reason": None,
+            "prompt_token_ids": (
+                list(plan.gen.prompt_ids) if first and plan.return_token_ids else None
+            ),
+            "token_ids": ids,
+            "weight_versions": None,
+        }
 
-    def finish(self, sched: Scheduled, fin: Finished) -> list[bytes]:
-        out: list[bytes] = []
-        handle = fin.kv_transfer_params if self.with_handle else None
+    def token(self, token_id: int) -> list[bytes]:
+        choice = self._choice(token_id)
+        if choice is None:
+            return []
+        return [sse(self._chunk(choice, kv_transfer_params=None))]
+
+    def last(self, token_id: int | None, sched: Scheduled, fin: Finished) -> list[bytes]:
+        """The final chunk (with the last token, when given), the usage chunk when asked for,
+        and ``[DONE]``."""
+        # A chat token with nothing to say still carries finish_reason (and an empty delta).
+        choice = self._choice(token_id) or {"index": 0, "delta": {}, "token_ids": None}
         if self.plan.chat:
             _, has_tools = _message(self.r, self.plan, fin.output_ids)
-            choice: dict[str, Any] = {
-                "index": 0,
-                "delta": {},
-                "logprobs": None,
-                "finish_reason": _finish_reason(self.plan, fin, has_tools),
-                "stop_reason": self.plan.stop_reason,
-            }
-        else:
+            finish = _finish_reason(self.plan, fin, has_tools)
             choice = {
                 "index": 0,
-                "text": "",
+                "delta": choice["delta"],
                 "logprobs": None,
-                "finish_reason": fin.finish_reason,
-                "stop_reason": self.plan.stop_reason,
+                "finish_reason": finish,
+                "stop_reason": _stop_reason(self.plan, fin.output_ids),
+                "token_ids": choice["token_ids"],
+                "weight_versions": None,
             }
-        out.append(sse(self._chunk(choice, kv_transfer_params=handle)))
+        else:
+            choice["finish_reason"] = _engine_finish(self.plan, fin)
+            choice["stop_reason"] = _stop_reason(self.plan, fin.output_ids)
+        handle = fin.kv_transfer_params if self.with_handle else None
+        out = [sse(self._chunk(choice, kv_transfer_params=handle))]
         if self.plan.include_usage:
-            out.append(
-                sse(self._chunk(None, usage=usage(self.r, self.plan, sched, len(fin.output_ids))))
-            )
+            # vLLM serializes this one with ``exclude_none``.
+            info = usage(self.r, self.plan, sched, len(fin.output_ids))
+            info = {k: v for k, v in info.items() if v is not None}
+            out.append(sse(self._chunk(None, usage=info)))
         out.append(sse("[DONE]"))
         return out
 
+    def finish(self, sched: Scheduled, fin: Finished) -> list[bytes]:
+        """The final chunks when no token is left to send with them."""
+        return self.last(None, sched, fin)
 
-def _emitted(gen: GenRequest) -> list[int]:
-    """The tokens the engine will release: up to the first stop token, within max_tokens."""
+
+def _cut_pieces(pieces: list[str], text_len: int) -> list[str]:
+    """The streamed pieces of a text cut at ``text_len`` characters."""
+    out: list[str] = []
+    at = 0
+    for piece in pieces:
+        out.append(piece[: max(0, text_len - at)])
+        at += len(piece)
+    return out
+
+
+def _emitted(gen: GenRequest, max_model_len: int) -> list[int]:
+    """The tokens the engine will release: up to the first stop token, within its limit."""
+    limit = gen.max_tokens if gen.max_tokens is not None else max_model_len - len(gen.prompt_ids)
     out: list[int] = []
     for token in gen.output_ids:
-        if gen.max_tokens is not None and len(out) >= gen.max_tokens:
+        if len(out) >= limit:
             break
         out.append(token)
         if token in gen.stop_ids:
@@ -582,7 +769,7 @@ def _emitted(gen: GenRequest) -> list[int]:
     return out
 
 
-def _pieces(tok: SimTokenizer, ids: Sequence[int]) -> list[str]:
+def _pieces(tok: ChatTokenizer, ids: Sequence[int]) -> list[str]:
     """Each token's text as vLLM's incremental detokenizer releases it: a sliding window, and
     an incomplete UTF-8 character held back until it completes."""
     pieces: list[str] = []
