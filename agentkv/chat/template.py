@@ -325,8 +325,13 @@ def _parse_message(message: Mapping[str, Any], content_format: ContentFormat) ->
         parts = []
     elif isinstance(content, str):
         parts = [{"type": "text", "text": content}]
-    else:
+    elif isinstance(content, list | tuple):
         parts = list(content)
+    else:
+        raise ValueError(
+            f"Message content must be a string or a list of content parts, "
+            f"not {type(content).__name__}."
+        )
     if role == "system":
         parts = _strip_billing_header(parts)
     wrap = content_format == "openai"
