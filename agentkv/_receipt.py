@@ -76,16 +76,17 @@ class TurnReceipt:
 
 def router_fields(headers: Mapping[str, str]) -> tuple[str | None, int | None, int | None]:
     """(decision, reused tokens, verified prefix tokens) from agentkv's response headers."""
+    lower = {k.lower(): v for k, v in headers.items()}
 
     def number(name: str) -> int | None:
-        value = headers.get(name)
+        value = lower.get(name.lower())
         try:
             return int(value) if value is not None else None
         except ValueError:
             return None
 
     return (
-        headers.get(HEADER_DECISION),
+        lower.get(HEADER_DECISION.lower()),
         number(HEADER_REUSED_TOKENS),
         number(HEADER_VERIFIED_PREFIX_TOKENS),
     )

@@ -158,5 +158,71 @@ def demo(
     raise typer.Exit(run_demo(turns=turns, time_scale=time_scale))
 
 
+@app.command()
+def router(
+    prefill: Annotated[
+        Optional[list[str]],  # noqa: UP045
+        typer.Option("--prefill", help="Prefill instance URL (repeat for several)."),
+    ] = None,
+    decode: Annotated[
+        Optional[list[str]],  # noqa: UP045
+        typer.Option("--decode", help="Decode instance URL (repeat for several)."),
+    ] = None,
+    config: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option(help="TOML or JSON router config (flags override it)."),
+    ] = None,
+    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    block_size: Annotated[
+        Optional[int], typer.Option(help="Engines' KV block size.")  # noqa: UP045
+    ] = None,
+    decoder_kv_blocks_ttl: Annotated[
+        Optional[float], typer.Option(help="D's decoder_kv_blocks_ttl (s).")  # noqa: UP045
+    ] = None,
+    store: Annotated[
+        Optional[str], typer.Option(help="memory or redis://host:port/db")  # noqa: UP045
+    ] = None,
+    log_level: Annotated[str, typer.Option(help="Log level.")] = "info",
+) -> None:
+    """Run agentkv's KV-aware P/D router: verified bidirectional KV reuse per conversation."""
+    import logging
+
+    import uvicorn
+    from pydantic import ValidationError
+
+    from agentkv.router import RouterConfig, create_app
+
+    overrides = {
+        "prefill": [{"url": u} for u in prefill] if prefill else None,
+        "decode": [{"url": u} for u in decode] if decode else None,
+        "host": host,
+        "port": port,
+        "block_size": block_size,
+        "decoder_kv_blocks_ttl_s": decoder_kv_blocks_ttl,
+        "store": store,
+    }
+    try:
+        if config:
+            cfg = RouterConfig.load(config, **overrides)
+        else:
+            cfg = RouterConfig.model_validate({k: v for k, v in overrides.items() if v is not None})
+    except (ValidationError, ValueError, OSError) as exc:
+        typer.echo(f"agentkv router: invalid configuration: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    typer.echo(
+        f"agentkv router on http://{cfg.host}:{cfg.port}: "
+        f"{len(cfg.prefill)} prefill, {len(cfg.decode)} decode, store {cfg.store}, "
+        f"router TTL {cfg.router_ttl_s:.0f}s",
+        err=True,
+    )
+    uvicorn.run(
+        create_app(cfg), host=cfg.host, port=cfg.port, log_level="warning", access_log=False
+    )
+
+
 def main() -> None:
     app()

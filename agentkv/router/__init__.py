@@ -1,0 +1,13 @@
+"""agentkv's KV-aware router for vLLM P/D with bidirectional KV transfer.
+
+``create_app(RouterConfig(...))`` is the ASGI app; ``agentkv router`` runs it. Every reuse is
+verified by token ids against what the decode instance holds (DESIGN.md, "Verified reuse").
+Needs the ``serve`` extra.
+"""
+
+from __future__ import annotations
+
+from agentkv.router.app import create_app
+from agentkv.router.config import Backend, RouterConfig, Tenant
+
+__all__ = ["Backend", "RouterConfig", "Tenant", "create_app"]

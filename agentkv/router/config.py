@@ -1,0 +1,118 @@
+"""The router's configuration (typed, validated; every duration is ``*_s``)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+__all__ = ["Backend", "RouterConfig", "Tenant"]
+
+
+class Backend(BaseModel):
+    """One vLLM (or simulator) instance."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str
+    bidirectional: bool = True
+    """P: the instance has ``bidirectional_kv_xfer`` (never attach a handle otherwise).
+    D: it returns handles."""
+    handle_on_stream: bool = True
+    """D: the handle arrives on the ``finish_reason`` chunk of a stream (vLLM ≥ 0.33). False
+    (vLLM 0.32): the router reads D without streaming and re-streams to the client, so it still
+    gets the handle."""
+    side_channel_host: str | None = None
+    """What P must use to reach this D's handle (``remote_host``); default: the URL's host."""
+
+    @property
+    def host(self) -> str:
+        from urllib.parse import urlsplit
+
+        return urlsplit(self.url).hostname or "localhost"
+
+
+class Tenant(BaseModel):
+    """An API key's owner; conversations never cross tenants."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    api_keys: list[str] = Field(min_length=1)
+    cache_salt: str | None = None
+    """Added to every request of this tenant, so engines never share prefix cache across
+    tenants."""
+
+
+class RouterConfig(BaseModel):
+    """Everything ``agentkv router`` needs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prefill: list[Backend] = Field(min_length=1)
+    decode: list[Backend] = Field(min_length=1)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    block_size: int = Field(16, ge=1)
+    """The engines' KV block size (must equal vLLM's ``--block-size``)."""
+    decoder_kv_blocks_ttl_s: float = Field(480.0, gt=0)
+    """D's ``decoder_kv_blocks_ttl``."""
+    ttl_margin_s: float = Field(30.0, ge=0)
+    """The router drops a handle this long before D would: router TTL = D TTL − margin."""
+    kv_recompute_threshold: int = Field(64, ge=0)
+    """Attach a handle only when it brings at least this many verified tokens."""
+    prefill_deadline_s: float = Field(30.0, gt=0)
+    """A P request carrying a handle that has not answered by then is retried without it."""
+    request_timeout_s: float = Field(600.0, gt=0)
+    retries: int = Field(2, ge=0)
+    """Extra attempts on another instance when P (or D, before its first byte) fails."""
+    health_interval_s: float = Field(2.0, gt=0)
+    eject_after_failures: int = Field(3, ge=1)
+    """Consecutive failures that take an instance out until its health check passes."""
+    affinity_max_outstanding_tokens: int = Field(262_144, ge=1)
+    """P affinity yields to the least-loaded P when the preferred one has more prompt tokens in
+    flight than this."""
+    store: str = "memory"
+    """``memory`` or a ``redis://`` URL (several router replicas share it)."""
+    store_max_entries: int = Field(100_000, ge=1)
+    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+    tenants: list[Tenant] = Field(default_factory=list)
+    """Empty: no authentication, one anonymous tenant."""
+    tokenize_with: Literal["prefill", "decode"] = "prefill"
+    """Which instance's ``/tokenize`` renders prompts that arrive without token ids."""
+
+    @property
+    def router_ttl_s(self) -> float:
+        return self.decoder_kv_blocks_ttl_s - self.ttl_margin_s
+
+    @model_validator(mode="after")
+    def _check(self) -> RouterConfig:
+        if self.router_ttl_s <= 0:
+            raise ValueError(
+                f"ttl_margin_s ({self.ttl_margin_s}) must be below decoder_kv_blocks_ttl_s "
+                f"({self.decoder_kv_blocks_ttl_s})"
+            )
+        keys: set[str] = set()
+        for tenant in self.tenants:
+            for key in tenant.api_keys:
+                if key in keys:
+                    raise ValueError(f"API key of tenant {tenant.name!r} is used twice")
+                keys.add(key)
+        return self
+
+    @classmethod
+    def load(cls, path: str | Path, **overrides: Any) -> RouterConfig:
+        """From a TOML or JSON file, with keyword overrides on top."""
+        p = Path(path)
+        text = p.read_text()
+        data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        return cls.model_validate(data)

@@ -1,0 +1,148 @@
+"""The engines behind the router: one HTTP client each, health, load, and placement policies.
+
+* Health: an active check (``GET /health`` every ``health_interval_s``) and passive ejection
+  (``eject_after_failures`` consecutive failed requests take an instance out until its check
+  passes again).
+* Load: prompt tokens in flight per P, requests in flight per D.
+* Placement (small composable functions): P by conversation affinity (rendezvous hashing over
+  healthy instances) that yields to the least-loaded P when the preferred one is over its cap;
+  D by least outstanding work, preferring the D that holds the conversation's KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import httpx
+
+from agentkv.router.config import Backend, RouterConfig
+
+__all__ = ["Engine", "EnginePool", "pick_decode", "pick_prefill"]
+
+log = logging.getLogger("agentkv.router")
+
+
+@dataclass(eq=False)
+class Engine:
+    """One instance and what the router knows about it."""
+
+    role: str
+    backend: Backend
+    client: httpx.AsyncClient
+    healthy: bool = True
+    failures: int = 0
+    outstanding_tokens: int = 0
+    outstanding_requests: int = 0
+    on_eject: list[Callable[[Engine], None]] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return self.backend.url
+
+    def ok(self) -> None:
+        self.failures = 0
+        if not self.healthy:
+            log.info("engine back in rotation role=%s url=%s", self.role, self.url)
+        self.healthy = True
+
+    def failed(self, threshold: int) -> None:
+        self.failures += 1
+        if self.healthy and self.failures >= threshold:
+            self.healthy = False
+            log.warning(
+                "engine ejected role=%s url=%s failures=%d", self.role, self.url, self.failures
+            )
+            for hook in self.on_eject:
+                hook(self)
+
+
+def _score(key: str, url: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{key}|{url}".encode(), digest_size=8).digest(), "big")
+
+
+def pick_prefill(
+    engines: Sequence[Engine], key: str | None, *, cap_tokens: int, need_bidirectional: bool
+) -> Engine | None:
+    """Rendezvous-hash ``key`` over healthy P; the least-loaded one when that is over its cap."""
+    pool = [e for e in engines if e.healthy and (e.backend.bidirectional or not need_bidirectional)]
+    if not pool:
+        return None
+    least = min(pool, key=lambda e: e.outstanding_tokens)
+    if key is None:
+        return least
+    preferred = max(pool, key=lambda e: _score(key, e.url))
+    return preferred if preferred.outstanding_tokens <= cap_tokens else least
+
+
+def pick_decode(engines: Sequence[Engine], holder: str | None, *, slack: int = 2) -> Engine | None:
+    """The least busy healthy D; the one holding the conversation's KV unless much busier."""
+    pool = [e for e in engines if e.healthy]
+    if not pool:
+        return None
+    least = min(pool, key=lambda e: e.outstanding_requests)
+    for e in pool:
+        if e.url == holder and e.outstanding_requests <= least.outstanding_requests + slack:
+            return e
+    return least
+
+
+class EnginePool:
+    """All P and D instances; starts and stops their health checks."""
+
+    def __init__(
+        self, config: RouterConfig, *, transport: httpx.AsyncBaseTransport | None = None
+    ) -> None:
+        self.config = config
+        timeout = httpx.Timeout(config.request_timeout_s, connect=5.0)
+
+        def client(b: Backend) -> httpx.AsyncClient:
+            return httpx.AsyncClient(
+                base_url=b.url, timeout=timeout, transport=transport, trust_env=False
+            )
+
+        self.prefill = [Engine("prefill", b, client(b)) for b in config.prefill]
+        self.decode = [Engine("decode", b, client(b)) for b in config.decode]
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def all(self) -> list[Engine]:
+        return [*self.prefill, *self.decode]
+
+    def by_url(self, url: str) -> Engine | None:
+        return next((e for e in self.all if e.url == url), None)
+
+    async def check(self, engine: Engine) -> bool:
+        try:
+            r = await engine.client.get(
+                "/health", timeout=min(5.0, self.config.health_interval_s * 2)
+            )
+            good = r.status_code == 200
+        except httpx.HTTPError:
+            good = False
+        if good:
+            engine.ok()
+        else:
+            engine.failed(1 if not engine.healthy else self.config.eject_after_failures)
+        return good
+
+    async def _watch(self, engine: Engine) -> None:
+        while True:
+            await self.check(engine)
+            await asyncio.sleep(self.config.health_interval_s)
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._watch(e)) for e in self.all]
+
+    async def aclose(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for e in self.all:
+            await e.client.aclose()
