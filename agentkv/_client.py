@@ -117,6 +117,11 @@ class _BaseConversation(Generic[C]):
         return self._ledger.to_state()
 
 
+def _released(answer: Any) -> bool:
+    """The router's ``{"released": bool}``; any other 2xx answer counts as released."""
+    return bool(answer.get("released", True)) if isinstance(answer, dict) else True
+
+
 def _close_request(ledger: Ledger) -> tuple[str, dict[str, str]]:
     from agentkv.protocol import HEADER_CONVERSATION_ID, HEADER_EPOCH
 
@@ -190,22 +195,20 @@ class Conversation(_BaseConversation[openai.OpenAI]):
         return receipt
 
     def close(self) -> bool:
-        """Ask the router to release this conversation's KV now (False when the server has no
-        such endpoint, e.g. plain vLLM)."""
+        """Ask the router to release this conversation's KV now. True when it released a
+        handle; False when it held none, or the server has no such endpoint (plain vLLM)."""
         path, headers = _close_request(self._ledger)
         try:
-            self._client.openai.with_options(max_retries=0).delete(
+            answer = self._client.openai.with_options(max_retries=0).delete(
                 root_url(self._client.openai.base_url) + path,
                 cast_to=object,
                 options={"headers": headers},
             )
-        except openai.NotFoundError:
-            return False
         except openai.APIStatusError as exc:
             if exc.status_code in (404, 405):
                 return False
             raise
-        return True
+        return _released(answer)
 
 
 class ConversationStream:
@@ -409,7 +412,7 @@ class AsyncConversation(_BaseConversation[openai.AsyncOpenAI]):
     async def close(self) -> bool:
         path, headers = _close_request(self._ledger)
         try:
-            await self._client.openai.with_options(max_retries=0).delete(
+            answer = await self._client.openai.with_options(max_retries=0).delete(
                 root_url(self._client.openai.base_url) + path,
                 cast_to=object,
                 options={"headers": headers},
@@ -418,7 +421,7 @@ class AsyncConversation(_BaseConversation[openai.AsyncOpenAI]):
             if exc.status_code in (404, 405):
                 return False
             raise
-        return True
+        return _released(answer)
 
 
 class AsyncConversationStream:
