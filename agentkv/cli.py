@@ -213,6 +213,7 @@ def router(
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     typer.echo(
         f"agentkv router on http://{cfg.host}:{cfg.port}: "
         f"{len(cfg.prefill)} prefill, {len(cfg.decode)} decode, store {cfg.store}, "

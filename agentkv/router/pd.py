@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import orjson
+from opentelemetry import trace
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from agentkv.protocol import (
@@ -46,6 +47,7 @@ from agentkv.router.verify import Plan, held_record, plan_reuse
 __all__ = ["Router", "UpstreamError"]
 
 log = logging.getLogger("agentkv.router")
+_tracer = trace.get_tracer("agentkv.router")
 _LOCAL_HOSTS = {"", "localhost", "127.0.0.1", "0.0.0.0", "::1"}
 
 
@@ -252,6 +254,19 @@ class Router:
 
     # -- 2-5. a turn --------------------------------------------------------------------------
     async def turn(self, req: ClientRequest) -> Response:
+        attrs = {
+            "gen_ai.operation.name": "chat" if req.chat else "text_completion",
+            "agentkv.tenant": req.tenant,
+            "agentkv.epoch": req.epoch,
+        }
+        if req.conversation_id:
+            attrs["gen_ai.conversation.id"] = req.conversation_id
+        with _tracer.start_as_current_span(
+            "agentkv.router.turn", kind=trace.SpanKind.SERVER, attributes=attrs
+        ) as span:
+            return await self._turn(req, span)
+
+    async def _turn(self, req: ClientRequest, span: trace.Span) -> Response:
         started = time.perf_counter()
         ids = await self.prompt_ids(req)
         key: StoreKey | None = (req.tenant, req.conversation_id) if req.conversation_id else None
@@ -291,6 +306,30 @@ class Router:
                 continue
             self.metrics.requests.labels("chat" if req.chat else "completions", plan.decision).inc()
             self.metrics.reused_tokens.inc(plan.reused_tokens)
+            span.set_attributes(
+                {
+                    "agentkv.decision": plan.decision,
+                    "agentkv.reused_tokens": plan.reused_tokens,
+                    "agentkv.verified_prefix_tokens": plan.verified_tokens,
+                    "agentkv.prompt_tokens": len(ids),
+                    "agentkv.prefill.url": pre.engine.url,
+                    "agentkv.decode.url": engine.url,
+                }
+            )
+            log.info(
+                "turn conversation=%s tenant=%s epoch=%d decision=%s reused=%d verified=%d "
+                "prompt_tokens=%d prefill=%s decode=%s ms=%.1f",
+                req.conversation_id,
+                req.tenant,
+                req.epoch,
+                plan.decision,
+                plan.reused_tokens,
+                plan.verified_tokens,
+                len(ids),
+                pre.engine.url,
+                engine.url,
+                (time.perf_counter() - started) * 1000,
+            )
             return response
         raise RouterError(502, "No decode instance answered.")
 
