@@ -86,6 +86,9 @@ class RouterConfig(BaseModel):
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
     tenants: list[Tenant] = Field(default_factory=list)
     """Empty: no authentication, one anonymous tenant."""
+    reuse_policy: Literal["verified", "unverified"] = "verified"
+    """``unverified`` attaches a conversation's handle without checking it, like vLLM's example
+    proxy. It reads wrong KV after a rewrite: for benchmarks and conformance tests only."""
     tokenize_with: Literal["prefill", "decode"] = "prefill"
     """Which instance's ``/tokenize`` renders prompts that arrive without token ids."""
 

@@ -282,6 +282,7 @@ class Router:
             router_ttl_s=self.config.router_ttl_s,
             threshold=self.config.kv_recompute_threshold,
             can_pull=can_pull,
+            verify=self.config.reuse_policy == "verified",
         )
         self.metrics.verified_tokens.inc(plan.verified_tokens)
         if plan.release:

@@ -81,8 +81,10 @@ def plan_reuse(
     router_ttl_s: float,
     threshold: int,
     can_pull: bool,
+    verify: bool = True,
 ) -> Plan:
-    """The reuse decision for one turn (DESIGN.md, "Verified reuse")."""
+    """The reuse decision for one turn (DESIGN.md, "Verified reuse"); ``verify=False`` is vLLM's
+    example proxy (attach whatever the conversation has)."""
     if handle is None:
         return Plan("miss", None, 0, 0, False)
     if age_s >= router_ttl_s:
@@ -93,6 +95,9 @@ def plan_reuse(
     release = dict(
         handle.params, do_remote_decode=True, do_remote_prefill=False, remote_num_tokens=0
     )
+    if not verify:
+        params = dict(handle.params, do_remote_decode=True, do_remote_prefill=False)
+        return Plan("pull", params, handle.num_tokens, 0, False)
     if handle.epoch != epoch:
         return Plan("stale", release, 0, 0, True)
     verified = verified_tokens(handle, prompt)
