@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar, overload
 
 import openai
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
@@ -148,6 +148,12 @@ class Conversation(_BaseConversation[openai.OpenAI]):
         """Replace all but the last ``keep_last`` messages with ``summarize(messages)``."""
         summary = summarize(self._ledger.messages)
         return self._ledger.rewrite(self._ledger.compacted(summary, keep_last), "compact")
+
+    @overload
+    def create(self, *, stream: Literal[True], **chat_kwargs: Any) -> ConversationStream: ...
+
+    @overload
+    def create(self, *, stream: Literal[False] = False, **chat_kwargs: Any) -> ChatCompletion: ...
 
     def create(self, **chat_kwargs: Any) -> ChatCompletion | ConversationStream:
         """Send the next turn; returns the ``openai`` response (or a stream of chunks)."""
@@ -357,6 +363,16 @@ class AsyncConversation(_BaseConversation[openai.AsyncOpenAI]):
         if hasattr(summary, "__await__"):
             summary = await summary
         return self._ledger.rewrite(self._ledger.compacted(str(summary), keep_last), "compact")
+
+    @overload
+    async def create(
+        self, *, stream: Literal[True], **chat_kwargs: Any
+    ) -> AsyncConversationStream: ...
+
+    @overload
+    async def create(
+        self, *, stream: Literal[False] = False, **chat_kwargs: Any
+    ) -> ChatCompletion: ...
 
     async def create(self, **chat_kwargs: Any) -> ChatCompletion | AsyncConversationStream:
         """Send the next turn (see :meth:`Conversation.create`)."""

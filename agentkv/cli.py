@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+import json
+import shlex
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -148,14 +150,174 @@ def sim(
 
 @app.command()
 def demo(
-    turns: Annotated[int, typer.Option(help="Turns of the scripted conversation.")] = 4,
-    time_scale: Annotated[float, typer.Option(help="Simulated-delay scale (0 = instant).")] = 1.0,
+    profile: Annotated[
+        str, typer.Option(help="Simulator profile to start (or use, when already running).")
+    ] = "local",
 ) -> None:
-    """Start a simulated P and D, run a multi-turn conversation with verified reuse, and show
-    what an unverified stale handle does."""
-    from agentkv.sim.demo import run_demo
+    """Run a tool-using agent on the default backend (started if none is running) and compare
+    verified reuse with a naive client and with unverified reuse."""
+    from agentkv.serve.demo import run_demo
 
-    raise typer.Exit(run_demo(turns=turns, time_scale=time_scale))
+    _profile(profile)
+    raise typer.Exit(run_demo(profile=profile))
+
+
+def _profile(name: str) -> Any:
+    from agentkv.serve import ProfileError, load_profile
+
+    try:
+        return load_profile(name)
+    except ProfileError as exc:
+        typer.echo(f"agentkv: {exc}", err=True)
+        raise typer.Exit(2) from exc
+
+
+def _default_profile() -> str:
+    from agentkv.serve.checks import nvidia_smi_gpu_count
+
+    if nvidia_smi_gpu_count() in (None, 0):
+        return "local"
+    typer.echo("agentkv serve: GPUs found; name a profile (agentkv profiles list).", err=True)
+    raise typer.Exit(2)
+
+
+@app.command()
+def serve(
+    profile: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Argument(help="Built-in profile name or TOML file [default: local without a GPU]."),
+    ] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would run.")] = False,
+) -> None:
+    """Start a P/D deployment (engines + router) from a profile and supervise it."""
+    from rich.console import Console
+
+    from agentkv.serve import check_runtime, expand
+    from agentkv.serve.supervisor import ServeError, Supervisor
+
+    prof = _profile(profile or _default_profile())
+    deployment = expand(prof)
+    console = Console(stderr=True)
+    if dry_run:
+        for spec in deployment.processes:
+            env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(spec.env.items()))
+            console.print(f"[bold]{spec.name}[/] ({spec.health_url})", highlight=False)
+            typer.echo(f"  {env + ' ' if env else ''}{shlex.join(spec.argv)}")
+            if spec.config_file is not None:
+                typer.echo(f"  {{config_dir}}/{spec.config_file[0]}: {spec.config_file[1]}")
+        return
+    problems = check_runtime(prof)
+    if problems:
+        for problem in problems:
+            typer.echo(f"agentkv serve: {problem}", err=True)
+        raise typer.Exit(2)
+    supervisor = Supervisor(deployment, console=console)
+    with supervisor.signals():
+        try:
+            supervisor.start()
+        except ServeError as exc:
+            typer.echo(f"agentkv serve: {exc}", err=True)
+            raise typer.Exit(1) from exc
+        console.print(f"[bold green]ready[/]: OpenAI base URL {deployment.base_url} (Ctrl-C stops)")
+        code = supervisor.wait()
+        supervisor.stop()
+    if supervisor.failed is not None:
+        typer.echo(f"agentkv serve: {supervisor.failed}", err=True)
+    raise typer.Exit(code)
+
+
+profiles_app = typer.Typer(
+    help="Launch profiles: list, show, validate, render.", no_args_is_help=True
+)
+app.add_typer(profiles_app, name="profiles")
+
+
+@profiles_app.command("list")
+def profiles_list() -> None:
+    """The built-in profiles."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from agentkv.serve import builtin_profiles, load_profile
+
+    table = Table("name", "engine", "description")
+    for name in sorted(builtin_profiles()):
+        prof = load_profile(name, environ={"AGENTKV_CPU_TINY_MODEL": "<model dir>"})
+        table.add_row(name, prof.engine, prof.description)
+    Console().print(table)
+
+
+@profiles_app.command("show")
+def profiles_show(name: Annotated[str, typer.Argument(help="Built-in profile name.")]) -> None:
+    """Print a built-in profile's TOML."""
+    from agentkv.serve import builtin_profiles
+
+    files = builtin_profiles()
+    if name not in files:
+        typer.echo(
+            f"agentkv: no built-in profile {name!r}; known: {', '.join(sorted(files))}", err=True
+        )
+        raise typer.Exit(2)
+    typer.echo(files[name].read_text())
+
+
+@profiles_app.command("validate")
+def profiles_validate(
+    name: Annotated[str, typer.Argument(help="Built-in profile name or TOML file.")],
+    runtime: Annotated[
+        bool, typer.Option("--runtime", help="Also check this machine (GPUs, vllm, ports).")
+    ] = False,
+) -> None:
+    """Check a profile; exit 2 naming every problem."""
+    from agentkv.serve import check_runtime
+
+    prof = _profile(name)
+    problems = check_runtime(prof) if runtime else []
+    for problem in problems:
+        typer.echo(f"agentkv: {problem}", err=True)
+    if problems:
+        raise typer.Exit(2)
+    typer.echo(f"{prof.name}: ok")
+
+
+@profiles_app.command("render")
+def profiles_render(
+    name: Annotated[str, typer.Argument(help="Built-in profile name or TOML file.")],
+    format: Annotated[str, typer.Option(help="argv | json | k8s")] = "argv",
+    namespace: Annotated[str, typer.Option(help="Kubernetes namespace (k8s).")] = "default",
+) -> None:
+    """Print what a profile expands to: each process's argv and env, JSON, or Kubernetes
+    manifests."""
+    from agentkv.serve import expand, render_k8s
+
+    prof = _profile(name)
+    if format == "k8s":
+        typer.echo(render_k8s(prof, namespace=namespace))
+    elif format == "json":
+        deployment = expand(prof)
+        data = {
+            "processes": [
+                {
+                    "name": s.name,
+                    "role": s.role,
+                    "argv": s.argv,
+                    "env": s.env,
+                    "port": s.port,
+                    "health_url": s.health_url,
+                }
+                for s in deployment.processes
+            ],
+            "router_config": deployment.router_config,
+            "base_url": deployment.base_url,
+        }
+        typer.echo(json.dumps(data, indent=2))
+    elif format == "argv":
+        for spec in expand(prof).processes:
+            env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(spec.env.items()))
+            typer.echo(f"# {spec.name}\n{env + ' ' if env else ''}{shlex.join(spec.argv)}")
+    else:
+        typer.echo("agentkv: --format must be argv, json or k8s", err=True)
+        raise typer.Exit(2)
 
 
 @app.command()
@@ -172,8 +334,12 @@ def router(
         Optional[str],  # noqa: UP045
         typer.Option(help="TOML or JSON router config (flags override it)."),
     ] = None,
-    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    host: Annotated[
+        Optional[str], typer.Option(help="Interface to listen on [default: 127.0.0.1].")  # noqa: UP045
+    ] = None,
+    port: Annotated[
+        Optional[int], typer.Option(help="Port to listen on [default: 8000].")  # noqa: UP045
+    ] = None,
     block_size: Annotated[
         Optional[int], typer.Option(help="Engines' KV block size.")  # noqa: UP045
     ] = None,
@@ -223,6 +389,62 @@ def router(
     uvicorn.run(
         create_app(cfg), host=cfg.host, port=cfg.port, log_level="warning", access_log=False
     )
+
+
+@app.command("check-template")
+def check_template(
+    template: Annotated[str, typer.Argument(help="Jinja chat template file.")],
+    tokenizer: Annotated[
+        Optional[str],  # noqa: UP045 - typer needs the runtime type on 3.10
+        typer.Option(help="tokenizer.json (or its directory); default: the Qwen3 vocabulary."),
+    ] = None,
+    chat_template_kwargs: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option(help="JSON object of template kwargs, e.g. '{\"enable_thinking\": false}'."),
+    ] = None,
+) -> None:
+    """Render a scripted 10-turn tool-using conversation with reasoning through TEMPLATE and
+    report, per turn, whether messages mode stays prefix-stable (else the hazard, token and
+    message where it breaks) and that exact mode stays token-identical."""
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from agentkv._check_template import CheckError
+    from agentkv._check_template import check_template as run_check
+
+    try:
+        kwargs = json.loads(chat_template_kwargs) if chat_template_kwargs else None
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise ValueError("--chat-template-kwargs must be a JSON object")
+        report = run_check(template, tokenizer, chat_template_kwargs=kwargs)
+    except (CheckError, ValueError) as exc:
+        typer.echo(f"agentkv check-template: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    table = Table(title=f"{report.template} (tokenizer: {report.tokenizer})")
+    for column in ("turn", "messages mode", "hazard", "at token", "message", "exact mode"):
+        table.add_column(column)
+    table.add_column("exact = fresh render")
+    for row in report.turns:
+        table.add_row(
+            str(row.turn),
+            "prefix-stable" if row.stable else "drifts",
+            row.hazard or "",
+            "" if row.position is None else str(row.position),
+            "" if row.message_index is None else str(row.message_index),
+            "token-identical" if row.exact else "error",
+            "yes" if row.exact_is_fresh else "no",
+        )
+    console = Console(width=max(120, Console().width))
+    console.print(table)
+    for row in report.turns:
+        if row.detail:
+            console.print(f"turn {row.turn}: {row.detail}", markup=False, highlight=False)
+    stable = (
+        "prefix-stable in messages mode" if report.stable else "NOT prefix-stable in messages mode"
+    )
+    console.print(f"{report.template}: {stable}; exact mode keeps every turn token-identical.")
 
 
 def main() -> None:

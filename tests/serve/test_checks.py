@@ -1,0 +1,176 @@
+"""check_runtime: every refusal, driven through injected probes (no GPU, vLLM or ports needed)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import textwrap
+
+from agentkv.serve import check_runtime, checks, load_profile
+
+
+def everything_present(module: str) -> bool:
+    return True
+
+
+def all_free(port: int) -> bool:
+    return True
+
+
+def run(
+    profile,
+    *,
+    gpus=8,
+    modules=everything_present,
+    free=all_free,
+    is_dir=lambda p: True,
+    which=lambda c: f"/venv/bin/{c}",
+):
+    return check_runtime(
+        profile,
+        gpu_count=lambda: gpus,
+        has_module=modules,
+        port_free=free,
+        is_dir=is_dir,
+        which=which,
+    )
+
+
+def test_a_ready_machine_has_no_problems():
+    assert run(load_profile("qwen3-32b-1p1d")) == []
+    assert run(load_profile("llama-3.1-8b-2p4d"), gpus=6) == []
+    assert run(load_profile("local"), gpus=None) == []
+    assert run(load_profile("cpu-tiny", environ={"AGENTKV_CPU_TINY_MODEL": "/m"}), gpus=None) == []
+
+
+def test_more_gpus_than_nvidia_smi_reports():
+    (problem,) = run(load_profile("qwen3-32b-1p1d"), gpus=4)
+    assert "needs 8 GPUs" in problem and "nvidia-smi reports 4" in problem
+    (problem,) = run(load_profile("gpt-oss-120b-1p1d"), gpus=3)
+    assert "needs 4 GPUs" in problem
+
+
+def test_no_nvidia_smi():
+    (problem,) = run(load_profile("qwen3-32b-1p1d"), gpus=None)
+    assert "nvidia-smi -L" in problem and "'local'" in problem
+
+
+def test_profiles_past_one_machine_point_to_kubernetes():
+    for name in ("glm-5-fp8-1p1d", "qwen3-32b-1p1d-bench"):
+        (problem,) = run(load_profile(name), gpus=8)
+        assert "needs 16 GPUs" in problem and "2 machines of 8" in problem
+        assert f"agentkv profiles render {name} --format k8s" in problem
+
+
+def test_gpu_probe_is_not_called_without_gpus():
+    def boom() -> int | None:
+        raise AssertionError("no GPU profile must not probe GPUs")
+
+    profile = load_profile("local")
+    assert (
+        check_runtime(profile, gpu_count=boom, has_module=everything_present, port_free=all_free)
+        == []
+    )
+
+
+def test_vllm_and_nixl_missing():
+    def only(*present: str):
+        return lambda m: m in present
+
+    problems = run(load_profile("qwen3-32b-1p1d"), modules=only("starlette", "uvicorn"))
+    assert len(problems) == 2
+    assert "'vllm' is missing: pip install vllm==0.33.0" in problems[0]
+    assert "'nixl' is missing" in problems[1]
+    problems = run(
+        load_profile("cpu-tiny", environ={"AGENTKV_CPU_TINY_MODEL": "/m"}),
+        gpus=None,
+        modules=only("starlette", "uvicorn", "vllm"),
+    )
+    assert problems == [
+        "profile 'cpu-tiny' runs vLLM with NixlConnector but the Python package 'nixl' is "
+        "missing: pip install nixl-cu12==1.5.1 && pip install --no-deps nixl==1.5.1"
+    ]
+    problems = run(load_profile("local"), modules=only("starlette"))
+    assert problems == ["the router and simulator need uvicorn: pip install 'agentkv[serve]'"]
+
+
+def test_vllm_command_not_on_path():
+    (problem,) = run(load_profile("qwen3-32b-1p1d"), which=lambda c: None)
+    assert problem.startswith("'vllm' (the profile's vllm_command) is not on PATH")
+
+
+def test_redis_store_needs_redis(tmp_path):
+    path = tmp_path / "p.toml"
+    path.write_text('extends = "local"\nname = "r"\n[router]\nstore = "redis://127.0.0.1:6379/0"\n')
+    problems = run(load_profile(path), modules=lambda m: m != "redis")
+    assert problems == [
+        "router.store is 'redis://127.0.0.1:6379/0' but the package 'redis' is missing: "
+        "pip install 'agentkv[serve,redis]'"
+    ]
+
+
+def test_ports_in_use():
+    busy = {8000, 5700}
+    problems = run(load_profile("qwen3-32b-1p1d"), free=lambda p: p not in busy)
+    assert problems == [
+        "port 8000 (router) is in use: stop what listens there or change the profile's ports",
+        "port 5700 (decode-0 NIXL side channel) is in use: stop what listens there or change "
+        "the profile's ports",
+    ]
+    # Simulator engines have no side channel to probe.
+    probed: list[int] = []
+    run(load_profile("local"), free=lambda p: probed.append(p) is None)
+    assert sorted(probed) == [8000, 8100, 8200]
+
+
+def test_cpu_tiny_model_placeholder_and_directory():
+    problems = run(load_profile("cpu-tiny", environ={}), gpus=None)
+    assert problems == [
+        "${AGENTKV_CPU_TINY_MODEL} in profile 'cpu-tiny' is not set: "
+        "export AGENTKV_CPU_TINY_MODEL=... before loading the profile"
+    ]
+    profile = load_profile("cpu-tiny", environ={"AGENTKV_CPU_TINY_MODEL": "/no/such/dir"})
+    assert run(profile, gpus=None, is_dir=lambda p: False) == [
+        "model directory '/no/such/dir' does not exist"
+    ]
+    # A hub id is not a directory to check.
+    assert run(load_profile("qwen3-32b-1p1d"), is_dir=lambda p: False) == []
+
+
+def test_default_port_probe_sees_a_listener():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert checks.port_free(port) is False
+    assert checks.port_free(port) is True
+
+
+def test_default_module_probe():
+    assert checks.has_module("json") is True
+    assert checks.has_module("agentkv_no_such_module") is False
+    assert checks.has_module("json.no_such_sub") is False
+
+
+def test_default_gpu_probe(monkeypatch, tmp_path):
+    monkeypatch.setattr(checks.shutil, "which", lambda name: None)
+    assert checks.nvidia_smi_gpu_count() is None
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(
+        textwrap.dedent(
+            """\
+            #!/bin/sh
+            echo "GPU 0: NVIDIA H200 (UUID: GPU-a)"
+            echo "GPU 1: NVIDIA H200 (UUID: GPU-b)"
+            """
+        )
+    )
+    fake.chmod(0o755)
+    monkeypatch.setattr(checks.shutil, "which", lambda name: str(fake))
+    assert checks.nvidia_smi_gpu_count() == 2
+    monkeypatch.setattr(
+        checks.subprocess,
+        "run",
+        lambda *a, **k: subprocess.CompletedProcess(a, 9, "", "NVIDIA-SMI has failed"),
+    )
+    assert checks.nvidia_smi_gpu_count() is None
