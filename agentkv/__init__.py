@@ -2,37 +2,70 @@
 
 The client SDK: :class:`Client` / :class:`AsyncClient` wrap the ``openai`` clients and give
 every agent loop a :class:`Conversation` with a stable id, exact token ids and receipts.
+
+Names are imported on first use, so ``agentkv sim`` and ``agentkv router`` processes do not pay
+for the ``openai`` package at start-up.
 """
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from agentkv.__version__ import __version__
-from agentkv._client import (
-    AsyncClient,
-    AsyncConversation,
-    AsyncConversationStream,
-    Client,
-    Conversation,
-    ConversationStream,
-    wrap,
-)
-from agentkv._exceptions import (
-    AgentKVError,
-    ConversationError,
-    RenderError,
-    ServerCapabilityError,
-    StateError,
-)
-from agentkv._receipt import Drift, RewriteReport, TurnReceipt
-from agentkv._rendering import (
-    AsyncLocalRenderer,
-    AsyncRemoteRenderer,
-    AsyncRenderer,
-    LocalRenderer,
-    RemoteRenderer,
-    Renderer,
-)
-from agentkv._turn import AgentKVWarning
+
+if TYPE_CHECKING:
+    from agentkv._client import (
+        AsyncClient,
+        AsyncConversation,
+        AsyncConversationStream,
+        Client,
+        Conversation,
+        ConversationStream,
+        wrap,
+    )
+    from agentkv._exceptions import (
+        AgentKVError,
+        ConversationError,
+        RenderError,
+        ServerCapabilityError,
+        StateError,
+    )
+    from agentkv._receipt import Drift, RewriteReport, TurnReceipt
+    from agentkv._rendering import (
+        AsyncLocalRenderer,
+        AsyncRemoteRenderer,
+        AsyncRenderer,
+        LocalRenderer,
+        RemoteRenderer,
+        Renderer,
+    )
+    from agentkv._turn import AgentKVWarning
+
+_WHERE = {
+    "AgentKVError": "_exceptions",
+    "AgentKVWarning": "_turn",
+    "AsyncClient": "_client",
+    "AsyncConversation": "_client",
+    "AsyncConversationStream": "_client",
+    "AsyncLocalRenderer": "_rendering",
+    "AsyncRemoteRenderer": "_rendering",
+    "AsyncRenderer": "_rendering",
+    "Client": "_client",
+    "Conversation": "_client",
+    "ConversationError": "_exceptions",
+    "ConversationStream": "_client",
+    "Drift": "_receipt",
+    "LocalRenderer": "_rendering",
+    "RemoteRenderer": "_rendering",
+    "RenderError": "_exceptions",
+    "Renderer": "_rendering",
+    "RewriteReport": "_receipt",
+    "ServerCapabilityError": "_exceptions",
+    "StateError": "_exceptions",
+    "TurnReceipt": "_receipt",
+    "wrap": "_client",
+}
 
 __all__ = [
     "AgentKVError",
@@ -60,7 +93,17 @@ __all__ = [
     "wrap",
 ]
 
-for _name in __all__:
-    _obj = globals()[_name]
-    if hasattr(_obj, "__module__") and _obj.__module__.startswith("agentkv._"):
-        _obj.__module__ = "agentkv"
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'agentkv' has no attribute {name!r}")
+    obj = getattr(importlib.import_module(f"agentkv.{module}"), name)
+    if getattr(obj, "__module__", "").startswith("agentkv._"):
+        obj.__module__ = "agentkv"
+    globals()[name] = obj
+    return obj
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -56,6 +56,9 @@ class RenderJob:
     chat_template_kwargs: dict[str, Any] | None
     last_output_ids: list[int]
     """``append``: the previous answer's ids (the renderer drops a duplicated end-of-turn)."""
+    previous: dict[str, Any] | None = None
+    """``append``: the previous assistant message (its tool calls name the tools that new tool
+    results answer; some templates render those names)."""
 
 
 @dataclass
@@ -195,12 +198,15 @@ class Ledger:
             )
         if self.ids is None:
             return RenderJob("full", self.messages, self.tools, self.chat_template_kwargs, [])
+        before = self._messages[self._sent - 1] if self._sent else None
+        previous = copy.deepcopy(before) if before and before.get("role") == "assistant" else None
         return RenderJob(
             "append",
             copy.deepcopy(pending),
             self.tools,
             self.chat_template_kwargs,
             list(self.last_output_ids),
+            previous,
         )
 
     def next_prompt(self, job: RenderJob, rendered: list[int]) -> list[int]:
@@ -316,7 +322,11 @@ class Ledger:
             if self.ids is not None and self.mode == "exact":
                 self._boundaries.append((start, len(sent_ids)))
             else:
-                self._boundaries = [(start, len(sent_ids))]
+                # Messages mode: the boundaries still hold where the new prompt matches the
+                # last one (all of it, without drift).
+                keep = drift.matched_tokens if drift is not None else len(sent_ids)
+                kept = [b for b in self._boundaries if b[1] <= keep] if self.ids is not None else []
+                self._boundaries = [*kept, (start, len(sent_ids))]
             self.last_prompt_len = len(sent_ids)
             sent_ids.extend(out_ids)
             self.ids = sent_ids

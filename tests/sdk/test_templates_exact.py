@@ -11,7 +11,6 @@ fail with a clear error and change nothing. Messages mode: each receipt reports 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import signal
 from collections.abc import Iterator
@@ -24,7 +23,6 @@ import pytest
 
 import agentkv
 from agentkv._check_template import SYSTEM, TOOLS, generated_part, scripted_turns
-from agentkv._conversation import RenderJob
 from agentkv.chat import ChatTemplate, deepseek_tokenizer_path, load_template, load_tokenizer
 from agentkv.sim.launch import SimProcess, start_sims
 
@@ -52,7 +50,6 @@ FAILS_AT_FIRST_TOOL_RESULT = {
     "mistral-small-3.2.jinja": _MISTRAL_IDS,
 }
 NEEDS_TOOL_NAMES = {"gpt-oss.jinja"}  # renders a tool result with the called function's name
-_JOB_HAS_PREVIOUS = "previous" in {f.name for f in dataclasses.fields(RenderJob)}
 
 
 @pytest.fixture(scope="module")
@@ -131,17 +128,7 @@ def script_of(answer: dict[str, Any]) -> dict[str, Any]:
 
 
 def add_result(conv: agentkv.Conversation, template: str, call: Any, content: str) -> None:
-    if template in NEEDS_TOOL_NAMES and not _JOB_HAS_PREVIOUS:
-        conv.add(
-            {
-                "role": "tool",
-                "tool_call_id": call.id,
-                "name": call.function.name,
-                "content": content,
-            }
-        )
-    else:
-        conv.add_tool_result(call.id, content)
+    conv.add_tool_result(call.id, content)
 
 
 def create(conv: agentkv.Conversation, script: dict[str, Any], **kwargs: Any) -> Any:
@@ -188,8 +175,8 @@ def test_ten_turns_stay_token_identical(sims: dict[str, SimProcess], template: s
 
 
 def test_a_template_that_names_the_tool_needs_the_name(sims: dict[str, SimProcess]) -> None:
-    """gpt-oss renders ``functions.<name>`` with each tool result. Without the name (neither on
-    the tool message nor in the job) exact mode refuses rather than append a wrong name."""
+    """gpt-oss renders ``functions.<name>`` with each tool result: the name comes from the
+    previous assistant message's tool call (the render job carries it)."""
     with client_for(sims["gpt-oss.jinja"]) as client:
         conv = client.conversation(model=MODEL, system=SYSTEM, tools=TOOLS)
         conv.add_user("What's the weather in Paris?")
@@ -197,14 +184,9 @@ def test_a_template_that_names_the_tool_needs_the_name(sims: dict[str, SimProces
         call = create(conv, script_of(answer)).choices[0].message.tool_calls[0]
         conv.add_tool_result(call.id, '{"temp_c": 18}')
         before = conv.token_ids
-        if _JOB_HAS_PREVIOUS:
-            create(conv, {"content": "18 °C."})
-            appended = client.last_sent[len(before) :]
-            assert "functions.get_weather" in client.renderer.detokenize(appended)
-            return
-        with pytest.raises(agentkv.RenderError, match="name"):
-            create(conv, {"content": "18 °C."})
-        assert conv.token_ids == before and len(conv.receipts) == 1
+        create(conv, {"content": "18 °C."})
+        appended = client.last_sent[len(before) :]
+        assert "functions.get_weather" in client.renderer.detokenize(appended)
 
 
 # -- exact prompt = a fresh render, where the template is append-stable -------------------------
