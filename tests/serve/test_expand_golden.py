@@ -237,7 +237,7 @@ def test_vllm_flags_keys_and_env_are_real_vllm_names():
     seen = 0
     for name, spec in _vllm_processes():
         seen += 1
-        assert spec.argv[:2] == ["vllm", "serve"]
+        assert spec.argv[1] == "serve" and spec.argv[0] in ("vllm", "${AGENTKV_VLLM_BIN}")
         assert not spec.argv[2].startswith("-")  # the model, positional
         for flag in _flags(spec.argv):
             assert flag in VLLM_FLAGS, (name, spec.name, flag)
@@ -431,11 +431,12 @@ def test_efa_profiles_use_libfabric():
 
 def test_cpu_tiny_is_the_measured_cpu_setup(monkeypatch):
     monkeypatch.setenv("AGENTKV_CPU_TINY_MODEL", "/models/tiny-qwen3")
+    monkeypatch.setenv("AGENTKV_VLLM_BIN", "/venv/bin/vllm")
     deployment = expand(load_profile("cpu-tiny"))
     prefill, decode, _router = deployment.processes
     for spec in (prefill, decode):
         argv = spec.argv
-        assert argv[:3] == ["vllm", "serve", "/models/tiny-qwen3"]
+        assert argv[:3] == ["/venv/bin/vllm", "serve", "/models/tiny-qwen3"]
         assert argv[argv.index("--served-model-name") + 1] == "tiny"
         assert argv[argv.index("--dtype") + 1] == "float32"
         assert argv[argv.index("--block-size") + 1] == "32"

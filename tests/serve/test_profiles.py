@@ -87,9 +87,10 @@ def test_local_toml_documents_every_key():
 def test_cpu_tiny_model_comes_from_the_environment():
     unset = load_profile("cpu-tiny", environ={})
     assert unset.model == "${AGENTKV_CPU_TINY_MODEL}"
-    assert unresolved_placeholders(unset) == ["AGENTKV_CPU_TINY_MODEL"]
-    p = load_profile("cpu-tiny", environ={"AGENTKV_CPU_TINY_MODEL": "/m/tiny"})
-    assert p.model == "/m/tiny"
+    assert sorted(unresolved_placeholders(unset)) == ["AGENTKV_CPU_TINY_MODEL", "AGENTKV_VLLM_BIN"]
+    env = {"AGENTKV_CPU_TINY_MODEL": "/m/tiny", "AGENTKV_VLLM_BIN": "/venv/bin/vllm"}
+    p = load_profile("cpu-tiny", environ=env)
+    assert p.model == "/m/tiny" and p.vllm_command == ["/venv/bin/vllm", "serve"]
     assert unresolved_placeholders(p) == []
     assert (p.engine, p.device, p.compat, p.served_model_name) == ("vllm", "cpu", "0.32", "tiny")
     assert (p.block_size, p.dtype, p.max_model_len) == (32, "float32", 4096)
