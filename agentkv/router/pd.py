@@ -20,8 +20,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -33,6 +33,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from agentkv.protocol import (
     HEADER_DECISION,
     HEADER_REUSED_TOKENS,
+    HEADER_SIM_MODEL_TTFT_MS,
+    HEADER_SIM_WRONG_KV_TOKENS,
     HEADER_VERIFIED_PREFIX_TOKENS,
     KVTransferParams,
 )
@@ -64,6 +66,30 @@ class _Prefilled:
     params: dict[str, Any]
     engine: Engine
     plan: Plan
+    sim_headers: dict[str, str] = field(default_factory=dict)
+    """P's simulator receipt headers (agentkv's engine simulator only)."""
+
+
+def _sim_receipt(prefill: Mapping[str, str], decode: Mapping[str, str]) -> dict[str, str]:
+    """The turn's simulator receipt from P's and D's (absent with real vLLM): the modelled TTFT
+    is P's plus D's, the wrong-KV tokens the larger count (D's wrong tokens are those it pulled
+    from a P that read wrong KV, plus its own poisoned prefix cache)."""
+    out: dict[str, str] = {}
+    ttft = [
+        float(h[HEADER_SIM_MODEL_TTFT_MS])
+        for h in (prefill, decode)
+        if HEADER_SIM_MODEL_TTFT_MS in h
+    ]
+    if ttft:
+        out[HEADER_SIM_MODEL_TTFT_MS] = f"{sum(ttft):.3f}"
+    wrong = [
+        int(h[HEADER_SIM_WRONG_KV_TOKENS])
+        for h in (prefill, decode)
+        if HEADER_SIM_WRONG_KV_TOKENS in h
+    ]
+    if wrong:
+        out[HEADER_SIM_WRONG_KV_TOKENS] = str(max(wrong))
+    return out
 
 
 def _reachable(params: dict[str, Any], engine: Engine) -> dict[str, Any]:
@@ -239,7 +265,8 @@ class Router:
                     raise RouterError(
                         502, f"Prefill instance {engine.url} returned no kv_transfer_params."
                     )
-                return _Prefilled(_reachable(handle, engine), engine, plan)
+                sim = _sim_receipt(r.headers, {})
+                return _Prefilled(_reachable(handle, engine), engine, plan, sim)
             self.metrics.upstream_errors.labels("prefill", str(r.status_code)).inc()
             if r.status_code < 500 and r.status_code != 429:
                 raise UpstreamError(r.status_code, r.content)
@@ -381,6 +408,7 @@ class Router:
                 raise _BeforeFirstByte()
             raise UpstreamError(upstream.status_code, content)
         self.metrics.d_first_byte.observe(time.perf_counter() - t0)
+        headers.update(_sim_receipt(pre.sim_headers, upstream.headers))
         if not relay:
             try:
                 data = orjson.loads(await upstream.aread())
@@ -427,7 +455,9 @@ class Router:
                     continue
                 payload = line[6:]
                 if payload.strip() == "[DONE]":
+                    # store D's handle before the client can see the end and send its next turn
                     done = True
+                    await self._remember(req, key, ids, captured, engine)
                     yield sse("[DONE]")
                     continue
                 try:
@@ -443,8 +473,8 @@ class Router:
             await upstream.aclose()
             engine.outstanding_requests -= 1
             self.metrics.turn_seconds.observe(time.perf_counter() - started)
-        if done:
-            await self._remember(req, key, ids, captured, engine)
+        if not done:
+            log.warning("decode stream ended without [DONE] conversation=%s", req.conversation_id)
 
     # -- 5. remember --------------------------------------------------------------------------
     async def _remember(

@@ -1,0 +1,83 @@
+"""An OpenAI Agents SDK agent with a session, on agentkv.
+
+    python examples/openai_agents_session.py --base-url http://127.0.0.1:8000/v1 --model MODEL
+
+The one-line change is the run configuration:
+``RunConfig(model_provider=AgentKVModelProvider(...))``. Inside
+``agentkv_openai_agents.conversation(session)`` the session's id is the agentkv conversation
+id; its turns stay token-exact, and when the session hands back only its last items
+(``SessionSettings(limit=...)``), agentkv sees a rewrite and moves to a new epoch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from _common import arguments, print_receipt
+from _sim import Scripts, answer, clients, tool_call
+from agentkv_openai_agents import AgentKVModelProvider, conversation
+from agents import Agent, RunConfig, Runner, SQLiteSession, function_tool, set_tracing_disabled
+from agents.memory import SessionSettings
+
+
+@function_tool
+def get_weather(city: str) -> str:
+    """The weather in a city."""
+    return f"It is sunny and 21 C in {city}."
+
+
+@function_tool
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+async def run(provider: AgentKVModelProvider, model: str) -> None:
+    agent = Agent(
+        name="assistant",
+        instructions="You are a helpful assistant. Use the tools.",
+        tools=[get_weather, add],
+        model=model,
+    )
+    session = SQLiteSession("agents-example")
+    config = RunConfig(model_provider=provider)
+    with conversation(session):
+        for question in ("What is the weather in Paris, and what is 19 + 23?", "And in Rome?"):
+            print(f"user: {question}")
+            result = await Runner.run(agent, question, session=session, run_config=config)
+            print(f"assistant: {result.final_output}")
+        # The session hands back only its last items: a rewrite, seen by agentkv.
+        question = "What did I ask you last?"
+        print(f"user: {question}")
+        trimmed = RunConfig(model_provider=provider, session_settings=SessionSettings(limit=4))
+        result = await Runner.run(agent, question, session=session, run_config=trimmed)
+        print(f"assistant: {result.final_output}")
+    session.close()
+    await provider.aclose()
+
+
+def main() -> None:
+    args = arguments(__doc__ or "")
+    set_tracing_disabled(True)  # no OpenAI trace export from a local example
+    settings: dict[str, Any] = {"model": args.model, "on_turn": print_receipt}
+    if args.simulate_tools:
+        scripts = Scripts(
+            [
+                tool_call("get_weather", city="Paris"),
+                tool_call("add", a=19, b=23),
+                answer("Paris is sunny, and 19 + 23 = 42."),
+                tool_call("get_weather", city="Rome"),
+                answer("Rome is sunny too."),
+                answer("You asked about the weather in Rome."),
+            ]
+        )
+        _, async_client = clients(args.base_url, scripts, args.api_key)
+        provider = AgentKVModelProvider(async_client=async_client, **settings)
+    else:
+        provider = AgentKVModelProvider(base_url=args.base_url, api_key=args.api_key, **settings)
+    asyncio.run(run(provider, args.model))
+
+
+if __name__ == "__main__":
+    main()

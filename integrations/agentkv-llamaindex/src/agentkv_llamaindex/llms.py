@@ -1,0 +1,496 @@
+"""``AgentKV``: a LlamaIndex LLM whose turns run through agentkv conversations."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+from llama_index.core.base.llms.generic_utils import (
+    achat_to_completion_decorator,
+    astream_chat_to_completion_decorator,
+    chat_to_completion_decorator,
+    stream_chat_to_completion_decorator,
+)
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseAsyncGen,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseAsyncGen,
+    CompletionResponseGen,
+    ImageBlock,
+    LLMMetadata,
+    MessageRole,
+    TextBlock,
+    ThinkingBlock,
+    ToolCallBlock,
+)
+from llama_index.core.bridge.pydantic import Field, PrivateAttr, SecretStr
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+from llama_index.core.llms.function_calling import FunctionCallingLLM
+from llama_index.core.llms.llm import ToolSelection
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+import agentkv
+from agentkv.pool import (
+    AnyConversation,
+    ConversationPool,
+    StateStore,
+    Turn,
+    TurnCallback,
+    client_factories,
+)
+
+if TYPE_CHECKING:
+    from llama_index.core.tools.types import BaseTool
+
+__all__ = ["AgentKV", "session", "to_openai_message"]
+
+_SESSION: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "agentkv_llamaindex_session", default=None
+)
+
+
+def _session_id(memory_or_id: Any) -> str:
+    if isinstance(memory_or_id, str):
+        return memory_or_id
+    for name in ("session_id", "chat_store_key"):
+        value = getattr(memory_or_id, name, None)
+        if isinstance(value, str) and value:
+            return value
+    raise TypeError(
+        "session() takes a session id or a memory with a session_id (llama_index Memory) or a "
+        f"chat_store_key (ChatMemoryBuffer), not {type(memory_or_id).__name__}"
+    )
+
+
+@contextlib.contextmanager
+def session(memory_or_id: Any) -> Iterator[str]:
+    """Run the calls inside the block as the conversation of a chat session.
+
+    Takes a session id, or the memory in use (``Memory.session_id``,
+    ``ChatMemoryBuffer.chat_store_key``). Agents and chat engines started inside the block (their
+    workflow steps are tasks that copy the context) use it."""
+    key = _session_id(memory_or_id)
+    token = _SESSION.set(key)
+    try:
+        yield key
+    finally:
+        _SESSION.reset(token)
+
+
+class AgentKV(FunctionCallingLLM):
+    """A LlamaIndex function-calling LLM backed by agentkv conversations.
+
+    Every call's whole message list is matched to the session's conversation with
+    ``Conversation.sync``: new messages are appended (the prompt stays token-identical), a
+    history the memory flushed, truncated or summarized is a rewrite (the epoch moves on, so the
+    router never reads stale KV for it).
+
+    The session is, in this order: the ``conversation_id`` call argument, the innermost
+    :func:`session` block, the ``conversation_id`` field, else one id per LLM instance.
+    """
+
+    model: str = Field(description="The served model name.")
+    base_url: str | None = Field(default=None, description="agentkv's OpenAI-compatible URL.")
+    api_key: SecretStr | None = Field(default=None)
+    timeout: float | None = Field(default=None)
+    retries: int = Field(default=2)
+    mode: Literal["exact", "messages"] = Field(default="exact")
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None)
+    temperature: float | None = Field(default=None)
+    max_tokens: int | None = Field(default=None)
+    context_window: int = Field(default=32768)
+    extra_body: dict[str, Any] | None = Field(default=None)
+    additional_kwargs: dict[str, Any] = Field(default_factory=dict)
+    conversation_id: str | None = Field(default=None)
+    max_sessions: int = Field(default=1024)
+    max_lanes: int = Field(default=4)
+
+    _pool: ConversationPool = PrivateAttr()
+    _default_id: str = PrivateAttr(default_factory=lambda: str(uuid.uuid4()))
+
+    def __init__(
+        self,
+        *,
+        client: agentkv.Client | None = None,
+        async_client: agentkv.AsyncClient | None = None,
+        store: StateStore | None = None,
+        on_turn: TurnCallback | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        api_key = self.api_key.get_secret_value() if self.api_key else None
+        make_client, make_async_client, owns = client_factories(
+            base_url=self.base_url,
+            api_key=api_key,
+            client=client,
+            async_client=async_client,
+            timeout=self.timeout,
+            retries=self.retries,
+        )
+        self._pool = ConversationPool(
+            model=self.model,
+            client=make_client,
+            async_client=make_async_client,
+            mode=self.mode,
+            chat_template_kwargs=self.chat_template_kwargs,
+            store=store,
+            max_keys=self.max_sessions,
+            max_lanes=self.max_lanes,
+            on_turn=on_turn,
+            owns_clients=owns,
+        )
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "AgentKV"
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        return LLMMetadata(
+            context_window=self.context_window,
+            num_output=self.max_tokens or -1,
+            is_chat_model=True,
+            is_function_calling_model=True,
+            model_name=self.model,
+        )
+
+    # -- conversations ---------------------------------------------------------------------------
+    @property
+    def pool(self) -> ConversationPool:
+        return self._pool
+
+    def conversation(self, session_id: str) -> AnyConversation | None:
+        """The agentkv conversation of a session (its id is the session id), once it has run."""
+        return self._pool.conversation(session_id)
+
+    def to_state(self, session_id: str) -> dict[str, Any] | None:
+        return self._pool.to_state(session_id)
+
+    def from_state(self, state: Mapping[str, Any]) -> None:
+        self._pool.from_state(state)
+
+    async def aclose(self) -> None:
+        await self._pool.aclose()
+
+    # -- chat ------------------------------------------------------------------------------------
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        key, wire, tools, params = self._request(messages, kwargs)
+        turn = self._pool.run(key, wire, tools, **params)
+        assert turn.completion is not None
+        return _response(turn.completion, turn)
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        key, wire, tools, params = self._request(messages, kwargs)
+        turn = await self._pool.arun(key, wire, tools, **params)
+        assert turn.completion is not None
+        return _response(turn.completion, turn)
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        key, wire, tools, params = self._request(messages, kwargs)
+
+        def gen() -> ChatResponseGen:
+            turn, chunks = self._pool.stream(key, wire, tools, **params)
+            acc = _Accumulator()
+            for chunk in chunks:
+                if (response := acc.add(chunk)) is not None:
+                    yield response
+            yield acc.final(turn)
+
+        return gen()
+
+    @llm_chat_callback()
+    async def astream_chat(
+        self, messages: Sequence[ChatMessage], **kwargs: Any
+    ) -> ChatResponseAsyncGen:
+        key, wire, tools, params = self._request(messages, kwargs)
+
+        async def gen() -> ChatResponseAsyncGen:
+            turn, chunks = await self._pool.astream(key, wire, tools, **params)
+            acc = _Accumulator()
+            async for chunk in chunks:
+                if (response := acc.add(chunk)) is not None:
+                    yield response
+            yield acc.final(turn)
+
+        return gen()
+
+    # -- completion (a one-message chat) ---------------------------------------------------------
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return chat_to_completion_decorator(self.chat)(prompt, **kwargs)
+
+    @llm_completion_callback()
+    def stream_complete(
+        self, prompt: str, formatted: bool = False, **kwargs: Any
+    ) -> CompletionResponseGen:
+        return stream_chat_to_completion_decorator(self.stream_chat)(prompt, **kwargs)
+
+    @llm_completion_callback()
+    async def acomplete(
+        self, prompt: str, formatted: bool = False, **kwargs: Any
+    ) -> CompletionResponse:
+        return await achat_to_completion_decorator(self.achat)(prompt, **kwargs)
+
+    @llm_completion_callback()
+    async def astream_complete(
+        self, prompt: str, formatted: bool = False, **kwargs: Any
+    ) -> CompletionResponseAsyncGen:
+        return await astream_chat_to_completion_decorator(self.astream_chat)(prompt, **kwargs)
+
+    # -- function calling ------------------------------------------------------------------------
+    def _prepare_chat_with_tools(
+        self,
+        tools: Sequence[BaseTool],
+        user_msg: str | ChatMessage | None = None,
+        chat_history: list[ChatMessage] | None = None,
+        verbose: bool = False,
+        allow_parallel_tool_calls: bool = False,
+        tool_required: bool = False,
+        tool_choice: str | dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        specs = [tool.metadata.to_openai_tool(skip_length_check=True) for tool in tools]
+        messages = list(chat_history or [])
+        if isinstance(user_msg, str):
+            user_msg = ChatMessage(role=MessageRole.USER, content=user_msg)
+        if user_msg is not None:
+            messages.append(user_msg)
+        prepared: dict[str, Any] = {"messages": messages, **kwargs}
+        if specs:
+            prepared["tools"] = specs
+            prepared["tool_choice"] = _tool_choice(tool_choice, tool_required)
+        return prepared
+
+    def _validate_chat_with_tools_response(
+        self,
+        response: ChatResponse,
+        tools: Sequence[BaseTool],
+        allow_parallel_tool_calls: bool = False,
+        **kwargs: Any,
+    ) -> ChatResponse:
+        if not allow_parallel_tool_calls:
+            calls = [b for b in response.message.blocks if isinstance(b, ToolCallBlock)]
+            if len(calls) > 1:
+                first = calls[0]
+                response.message.blocks = [
+                    b for b in response.message.blocks if not isinstance(b, ToolCallBlock)
+                ] + [first]
+                raw = response.message.additional_kwargs.get("tool_calls") or []
+                response.message.additional_kwargs["tool_calls"] = raw[:1]
+        return response
+
+    def get_tool_calls_from_response(
+        self,
+        response: ChatResponse,
+        error_on_no_tool_call: bool = True,
+        **kwargs: Any,
+    ) -> list[ToolSelection]:
+        calls = [b for b in response.message.blocks if isinstance(b, ToolCallBlock)]
+        if not calls and error_on_no_tool_call:
+            raise ValueError("Expected at least one tool call, but got 0 tool calls.")
+        selections = []
+        for call in calls:
+            args: Any = call.tool_kwargs
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args) if args.strip() else {}
+                except ValueError:
+                    args = {}
+            selections.append(
+                ToolSelection(
+                    tool_id=call.tool_call_id or "",
+                    tool_name=call.tool_name,
+                    tool_kwargs=args if isinstance(args, dict) else {},
+                )
+            )
+        return selections
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _request(
+        self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]
+    ) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]] | None, dict[str, Any]]:
+        key = str(
+            kwargs.pop("conversation_id", None)
+            or _SESSION.get()
+            or self.conversation_id
+            or self._default_id
+        )
+        tools = kwargs.pop("tools", None) or None
+        params: dict[str, Any] = {}
+        for name in ("temperature", "max_tokens"):
+            value = kwargs.pop(name, None)
+            value = getattr(self, name) if value is None else value
+            if value is not None:
+                params[name] = value
+        extra_body = {**(self.extra_body or {}), **(kwargs.pop("extra_body", None) or {})}
+        if extra_body:
+            params["extra_body"] = extra_body
+        if kwargs.get("tool_choice") is None:
+            kwargs.pop("tool_choice", None)
+        params.update({**self.additional_kwargs, **kwargs})
+        return key, [to_openai_message(m) for m in messages], tools, params
+
+
+# -- conversions ---------------------------------------------------------------------------------
+def _tool_choice(choice: str | dict[str, Any] | None, required: bool) -> str | dict[str, Any]:
+    if choice is None:
+        return "required" if required else "auto"
+    if isinstance(choice, dict) or choice in ("none", "auto", "required"):
+        return choice
+    return {"type": "function", "function": {"name": choice}}
+
+
+def _raw_call(call: Any) -> dict[str, Any]:
+    data = call.model_dump() if hasattr(call, "model_dump") else dict(call)
+    fn = data.get("function") or {}
+    args = fn.get("arguments")
+    return {
+        "id": data.get("id"),
+        "type": "function",
+        "function": {
+            "name": fn.get("name"),
+            "arguments": args if isinstance(args, str) else json.dumps(args or {}),
+        },
+    }
+
+
+def to_openai_message(message: ChatMessage) -> dict[str, Any]:
+    """A LlamaIndex chat message as an OpenAI chat message (what agentkv's ledger holds)."""
+    role = message.role.value
+    if role in ("chatbot", "model"):
+        role = "assistant"
+    texts: list[str] = []
+    parts: list[dict[str, Any]] = []
+    calls: list[dict[str, Any]] = []
+    for block in message.blocks:
+        if isinstance(block, TextBlock):
+            texts.append(block.text)
+            parts.append({"type": "text", "text": block.text})
+        elif isinstance(block, ToolCallBlock):
+            args = block.tool_kwargs
+            calls.append(
+                {
+                    "id": block.tool_call_id,
+                    "type": "function",
+                    "function": {
+                        "name": block.tool_name,
+                        "arguments": args if isinstance(args, str) else json.dumps(args),
+                    },
+                }
+            )
+        elif isinstance(block, ImageBlock) and block.url is not None:
+            parts.append({"type": "image_url", "image_url": {"url": str(block.url)}})
+        elif isinstance(block, ThinkingBlock):
+            continue  # the ledger keeps the reasoning as generated
+        else:
+            raise TypeError(f"AgentKV cannot send a {type(block).__name__}")
+    text = "\n".join(texts)
+    if role == "tool":
+        call_id = message.additional_kwargs.get("tool_call_id")
+        return {"role": "tool", "tool_call_id": call_id, "content": text}
+    if not calls and role == "assistant":
+        calls = [_raw_call(c) for c in message.additional_kwargs.get("tool_calls") or []]
+    if calls:
+        return {"role": "assistant", "content": text or None, "tool_calls": calls}
+    if role == "user" and len(parts) != len(texts):
+        return {"role": "user", "content": parts}
+    return {"role": role, "content": text}
+
+
+def _reasoning(message: Any) -> str | None:
+    extra = getattr(message, "model_extra", None) or {}
+    value = getattr(message, "reasoning", None) or extra.get("reasoning")
+    value = value or getattr(message, "reasoning_content", None) or extra.get("reasoning_content")
+    return value if isinstance(value, str) and value else None
+
+
+def _receipt(turn: Turn) -> dict[str, Any]:
+    data: dict[str, Any] = {"conversation_id": turn.conversation_id, "sync": turn.kind}
+    if turn.receipt is not None:
+        data.update(turn.receipt.to_dict())
+    return data
+
+
+def _message(content: str, reasoning: str | None, calls: list[dict[str, Any]]) -> ChatMessage:
+    blocks: list[Any] = []
+    if reasoning:
+        blocks.append(ThinkingBlock(content=reasoning))
+    if content:
+        blocks.append(TextBlock(text=content))
+    for call in calls:
+        blocks.append(
+            ToolCallBlock(
+                tool_call_id=call["id"],
+                tool_name=call["function"]["name"],
+                tool_kwargs=call["function"]["arguments"],
+            )
+        )
+    extra: dict[str, Any] = {"tool_calls": calls} if calls else {}
+    return ChatMessage(role=MessageRole.ASSISTANT, blocks=blocks, additional_kwargs=extra)
+
+
+def _response(completion: ChatCompletion, turn: Turn) -> ChatResponse:
+    msg = completion.choices[0].message
+    calls = [_raw_call(c) for c in msg.tool_calls or []]
+    usage = completion.usage.model_dump() if completion.usage else {}
+    return ChatResponse(
+        message=_message(msg.content or "", _reasoning(msg), calls),
+        raw=completion,
+        additional_kwargs={"agentkv": _receipt(turn), "usage": usage},
+    )
+
+
+class _Accumulator:
+    """A streamed turn as LlamaIndex streams it: the whole message so far, plus the delta."""
+
+    def __init__(self) -> None:
+        self.content = ""
+        self.reasoning = ""
+        self.calls: dict[int, dict[str, Any]] = {}
+        self.usage: dict[str, Any] = {}
+
+    def _calls(self) -> list[dict[str, Any]]:
+        return [self.calls[i] for i in sorted(self.calls)]
+
+    def add(self, chunk: ChatCompletionChunk) -> ChatResponse | None:
+        if chunk.usage is not None:
+            self.usage = chunk.usage.model_dump()
+        if not chunk.choices:
+            return None
+        delta = chunk.choices[0].delta
+        text = delta.content or ""
+        thinking = _reasoning(delta) or ""
+        self.content += text
+        self.reasoning += thinking
+        for call in delta.tool_calls or []:
+            slot = self.calls.setdefault(
+                call.index,
+                {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
+            )
+            slot["id"] = call.id or slot["id"]
+            if call.function is not None:
+                slot["function"]["name"] += call.function.name or ""
+                slot["function"]["arguments"] += call.function.arguments or ""
+        return ChatResponse(
+            message=_message(self.content, self.reasoning or None, self._calls()),
+            delta=text,
+            raw=chunk,
+            additional_kwargs={"thinking_delta": thinking} if thinking else {},
+        )
+
+    def final(self, turn: Turn) -> ChatResponse:
+        return ChatResponse(
+            message=_message(self.content, self.reasoning or None, self._calls()),
+            delta="",
+            additional_kwargs={"agentkv": _receipt(turn), "usage": self.usage},
+        )

@@ -1,0 +1,59 @@
+"""What the integration tests share: the model name and the per-turn recorder."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import agentkv
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "agentkv-sim"
+# P without a local prefix cache: every reused token is a verified read of D's KV.
+NO_P_CACHE = (("--no-prefix-caching",),)
+
+
+@dataclass
+class Seen:
+    conversation_id: str
+    receipt: agentkv.TurnReceipt
+    token_ids: list[int]
+    mode: str
+
+
+@dataclass
+class Recorder:
+    """An ``on_turn`` callback: every turn's receipt and the conversation's ids after it."""
+
+    turns: list[Seen] = field(default_factory=list)
+
+    def __call__(self, conversation: Any, receipt: agentkv.TurnReceipt) -> None:
+        ids = list(conversation.token_ids or [])
+        self.turns.append(Seen(conversation.id, receipt, ids, conversation.mode))
+
+    def of(self, conversation_id: str) -> list[Seen]:
+        return [t for t in self.turns if t.conversation_id == conversation_id]
+
+    def ids(self) -> list[str]:
+        return list(dict.fromkeys(t.conversation_id for t in self.turns))
+
+    def assert_exact(self, conversation_id: str) -> None:
+        """Within an epoch every prompt is the previous prompt + its output + the new messages,
+        and every turn after an epoch's first one reused D's KV through the router."""
+        turns = self.of(conversation_id)
+        assert turns, f"no turn of {conversation_id}"
+        for seen in turns:
+            assert seen.mode == "exact" and seen.receipt.mode == "exact"
+        for prev, cur in pairwise(turns):
+            if cur.receipt.epoch != prev.receipt.epoch:
+                assert cur.receipt.epoch == prev.receipt.epoch + 1
+                assert cur.receipt.rewrite is not None
+                assert cur.receipt.decision in ("stale", "recompute"), cur.receipt
+                continue
+            assert cur.token_ids[: len(prev.token_ids)] == prev.token_ids
+            assert cur.receipt.decision == "pull", cur.receipt
+            assert (
+                cur.receipt.reused_tokens and cur.receipt.reused_tokens >= len(prev.token_ids) - 16
+            )

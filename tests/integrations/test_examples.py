@@ -1,0 +1,54 @@
+"""Every example runs as its own process against the router + simulator stack."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from integration_support import ROOT
+from stack import Stack
+
+pytestmark = pytest.mark.e2e
+
+EXAMPLES = ROOT / "examples"
+RECEIPT = re.compile(
+    r"\[agentkv\] conversation=(?P<conv>\S+) turn=(?P<turn>\d+) epoch=(?P<epoch>\d+) "
+    r"decision=(?P<decision>\w+) reused=(?P<reused>\d+)"
+)
+# (script, conversation it must keep, whether its history is rewritten on the way)
+CASES = [
+    ("openai_tool_loop.py", None, False),
+    ("langgraph_react.py", "langgraph-example", True),
+    ("llamaindex_function_agent.py", "llamaindex-example", True),
+    ("openai_agents_session.py", "agents-example", True),
+]
+
+
+@pytest.mark.parametrize(("script", "conversation", "rewritten"), CASES)
+def test_example_runs_and_prints_its_receipts(
+    pd: Stack, script: str, conversation: str | None, rewritten: bool
+) -> None:
+    sources = [str(p) for p in sorted((ROOT / "integrations").glob("*/src"))]
+    path = os.pathsep.join([*sources, os.environ.get("PYTHONPATH", "")])
+    url = f"{pd.router.url}/v1"
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), "--base-url", url, "--simulate-tools"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": path},
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    receipts = [m.groupdict() for m in RECEIPT.finditer(done.stdout)]
+    assert len(receipts) >= 5, done.stdout
+    main = [r for r in receipts if r["conv"] == (conversation or receipts[0]["conv"])]
+    assert int(main[-1]["turn"]) == len(main)  # one conversation, every turn of it
+    assert [r["decision"] for r in main].count("pull") >= len(main) - 1 - int(rewritten)
+    assert ("rewrite=sync" in done.stdout) == rewritten
+    if rewritten:
+        assert int(main[-1]["epoch"]) >= 1
+    assert pd.wrong_kv() == 0

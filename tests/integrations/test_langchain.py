@@ -1,0 +1,282 @@
+"""agentkv-langchain with the real LangChain, LangGraph and langchain agents, over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from _sim import Scripts, answer, tool_call
+from agentkv_langchain import ChatAgentKV, LangGraphStore
+from integration_support import MODEL, Recorder
+from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.messages.utils import trim_messages
+from langchain_core.tools import tool
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.graph import START, MessagesState, StateGraph
+from langgraph.prebuilt import ToolNode, tools_condition
+from langgraph.store.memory import InMemoryStore
+from pydantic import BaseModel
+from stack import Stack
+
+pytestmark = pytest.mark.e2e
+
+SYSTEM = "You are a careful assistant. " + " ".join(f"Rule {i}: be brief." for i in range(20))
+
+
+@tool
+def get_weather(city: str) -> str:
+    """The weather in a city."""
+    return f"It is sunny and 21 C in {city}."
+
+
+@tool
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+TOOLS = [get_weather, add]
+
+
+def react_graph(
+    model: ChatAgentKV, *, keep_tokens: int | None = None, checkpointer: Any = None
+) -> Any:
+    """A ReAct graph; with ``keep_tokens`` the agent node trims the history it sends."""
+    bound = model.bind_tools(TOOLS)
+
+    def agent(state: MessagesState) -> dict[str, list[AnyMessage]]:
+        messages: list[AnyMessage] = list(state["messages"])
+        if keep_tokens is not None:
+            messages = trim_messages(
+                messages,
+                max_tokens=keep_tokens,
+                token_counter="approximate",
+                strategy="last",
+                start_on="human",
+                end_on=("human", "tool"),
+            )
+        return {"messages": [bound.invoke([SystemMessage(SYSTEM), *messages])]}
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("agent", agent)
+    graph.add_node("tools", ToolNode(TOOLS))
+    graph.add_edge(START, "agent")
+    graph.add_conditional_edges("agent", tools_condition)
+    graph.add_edge("tools", "agent")
+    return graph.compile(checkpointer=checkpointer or InMemorySaver())
+
+
+def tool_round(city: str, a: int, b: int, text: str) -> list[dict[str, Any]]:
+    return [tool_call("get_weather", city=city), tool_call("add", a=a, b=b), answer(text)]
+
+
+def model_for(sdk_clients: Any, recorder: Recorder, **kwargs: Any) -> ChatAgentKV:
+    client, async_client = sdk_clients
+    return ChatAgentKV(
+        model=MODEL,
+        client=client,
+        async_client=async_client,
+        max_tokens=200,
+        on_turn=recorder,
+        **kwargs,
+    )
+
+
+def test_react_agent_keeps_one_conversation_per_thread_token_exact(
+    pd: Stack, sdk_clients: Any, scripts: Scripts, recorder: Recorder
+) -> None:
+    app = react_graph(model_for(sdk_clients, recorder))
+    threads = {"lc-a": {"configurable": {"thread_id": "lc-a"}}, "lc-b": {}}
+    threads["lc-b"] = {"configurable": {"thread_id": "lc-b"}}
+    for i in range(2):  # two threads, interleaved, two questions each
+        for name, config in threads.items():
+            scripts.extend(tool_round(f"City{i}", i, 2, f"{name} answer {i}"))
+            state = app.invoke({"messages": [HumanMessage(f"question {i}")]}, config)
+            assert state["messages"][-1].text == f"{name} answer {i}"
+            assert [m.name for m in state["messages"] if m.type == "tool"][-2:] == [
+                "get_weather",
+                "add",
+            ]
+    assert recorder.ids() == ["lc-a", "lc-b"]
+    for thread in threads:
+        turns = recorder.of(thread)
+        assert len(turns) == 6
+        assert turns[0].receipt.decision == "miss"
+        assert {t.receipt.epoch for t in turns} == {0}
+        recorder.assert_exact(thread)
+    # the receipt travels with the framework's own message
+    last = state["messages"][-1]
+    assert isinstance(last, AIMessage)
+    assert last.response_metadata["agentkv"]["conversation_id"] == "lc-b"
+    assert last.response_metadata["agentkv"]["sync"] == "append"
+    assert last.usage_metadata is not None
+    assert last.usage_metadata["input_token_details"]["cache_read"] > 0
+    # the router saw the thread id as the conversation id on every request
+    sent = {r["headers"]["x-conversation-id"] for r in scripts.requests}
+    assert sent == {"lc-a", "lc-b"}
+    assert pd.wrong_kv() == 0
+
+
+def test_trim_messages_is_a_rewrite_with_no_wrong_kv(
+    pd: Stack, sdk_clients: Any, scripts: Scripts, recorder: Recorder
+) -> None:
+    app = react_graph(model_for(sdk_clients, recorder), keep_tokens=220)
+    config: Any = {"configurable": {"thread_id": "lc-trim"}}
+    for i in range(4):
+        scripts.extend(tool_round(f"Town{i}", i, i, f"Answer number {i}. " * 6))
+        app.invoke({"messages": [HumanMessage(f"Weather in Town{i} and {i}+{i}?")]}, config)
+    turns = recorder.of("lc-trim")
+    assert len(turns) == 12
+    rewrites = [t for t in turns if t.receipt.rewrite is not None]
+    assert rewrites, "trim_messages never dropped a message"
+    assert all(t.receipt.rewrite and t.receipt.rewrite.reason == "sync" for t in rewrites)
+    assert turns[-1].receipt.epoch == len(rewrites)
+    recorder.assert_exact("lc-trim")
+    assert recorder.ids() == ["lc-trim"]
+    assert pd.wrong_kv() == 0
+
+
+def test_summarization_middleware_rewrites_the_thread_and_summarizes_aside(
+    pd: Stack, sdk_clients: Any, scripts: Scripts, recorder: Recorder
+) -> None:
+    # imported here: `langchain` (agents, middleware) is a test dependency of this test only, so
+    # the rest of the module also runs at the adapter's lower bounds (langchain-core 1.0)
+    from langchain.agents import create_agent
+    from langchain.agents.middleware import SummarizationMiddleware
+
+    model = model_for(sdk_clients, recorder)
+    agent = create_agent(
+        model,
+        tools=TOOLS,
+        system_prompt=SYSTEM,
+        middleware=[SummarizationMiddleware(model, trigger=("messages", 8), keep=("messages", 3))],
+        checkpointer=InMemorySaver(),
+    )
+    config: Any = {"configurable": {"thread_id": "lc-sum"}}
+    scripts.when("Context Extraction Assistant", answer("The user asked about villages and sums."))
+    for i in range(3):
+        scripts.extend(tool_round(f"Village{i}", i, 1, f"Village answer {i}."))
+        agent.invoke({"messages": [HumanMessage(f"Village{i} weather and {i}+1?")]}, config)
+    assert scripts.left == 0
+    main = recorder.of("lc-sum")
+    assert len(main) == 9
+    epochs = [t.receipt.epoch for t in main]
+    assert epochs == sorted(epochs) and epochs[-1] >= 1, epochs
+    recorder.assert_exact("lc-sum")
+    # the summarizer's prompt carries the history as text: a conversation of its own
+    asides = [i for i in recorder.ids() if i != "lc-sum"]
+    assert asides and all(i.startswith("lc-sum#") for i in asides)
+    assert len(recorder.turns) == 9 + epochs[-1]
+    assert model.conversation("lc-sum") is not None
+    assert pd.wrong_kv() == 0
+
+
+def test_streaming_sync_and_async_with_tool_calls(
+    pd: Stack, sdk_clients: Any, scripts: Scripts, recorder: Recorder
+) -> None:
+    model = model_for(sdk_clients, recorder)
+    bound = model.bind_tools(TOOLS)
+    history: list[AnyMessage] = [SystemMessage(SYSTEM), HumanMessage("Weather in Oslo?")]
+    scripts.extend([tool_call("get_weather", city="Oslo"), answer("Oslo is sunny. " * 5)])
+    chunks = list(bound.stream(history, conversation_id="lc-stream"))
+    total = chunks[0]
+    for chunk in chunks[1:]:
+        total += chunk
+    assert isinstance(total, AIMessage)
+    assert total.tool_calls[0]["name"] == "get_weather"
+    assert total.tool_calls[0]["args"] == {"city": "Oslo"}
+    assert total.response_metadata["agentkv"]["decision"] == "miss"
+    history += [total, get_weather.invoke(total.tool_calls[0])]
+
+    async def second() -> AIMessage:
+        out = None
+        async for chunk in bound.astream(history, conversation_id="lc-stream"):
+            out = chunk if out is None else out + chunk
+        assert isinstance(out, AIMessage)
+        return out
+
+    reply = asyncio.run(second())
+    assert reply.text == "Oslo is sunny. " * 5
+    assert reply.response_metadata["agentkv"]["sync"] == "append"
+    recorder.assert_exact("lc-stream")
+
+    # an abandoned stream records nothing and frees the conversation for the next call
+    scripts.extend([answer("word " * 80)])
+    stream = bound.stream([*history, reply, HumanMessage("More?")], conversation_id="lc-stream")
+    next(stream)
+    stream.close()
+    assert len(recorder.of("lc-stream")) == 2
+    scripts.extend([answer("Short.")])
+    again = bound.invoke([*history, reply, HumanMessage("More?")], conversation_id="lc-stream")
+    assert again.response_metadata["agentkv"]["conversation_id"] == "lc-stream"
+    recorder.assert_exact("lc-stream")
+    assert pd.wrong_kv() == 0
+
+
+class Weather(BaseModel):
+    city: str
+    temperature_c: int
+
+
+def test_structured_output_and_async_invoke(
+    sdk_clients: Any, scripts: Scripts, recorder: Recorder
+) -> None:
+    model = model_for(sdk_clients, recorder)
+    structured = model.with_structured_output(Weather)
+    scripts.extend([tool_call("Weather", city="Lima", temperature_c=19)])
+    parsed = structured.invoke("Weather in Lima as JSON", conversation_id="lc-struct")
+    assert parsed == Weather(city="Lima", temperature_c=19)
+    assert scripts.requests[-1]["body"]["tool_choice"] == "required"
+
+    scripts.extend([answer("Fine.")])
+    reply = asyncio.run(model.ainvoke("Hello", conversation_id="lc-async"))
+    assert reply.text == "Fine."
+    assert recorder.ids() == ["lc-struct", "lc-async"]
+
+
+def test_ledgers_kept_in_a_langgraph_store_survive_a_new_model(
+    pd: Stack, sdk_clients: Any, scripts: Scripts, recorder: Recorder
+) -> None:
+    store = LangGraphStore(InMemoryStore())
+    saver = InMemorySaver()
+    config: Any = {"configurable": {"thread_id": "lc-store"}}
+    first = model_for(sdk_clients, recorder, store=store)
+    app = react_graph(first, checkpointer=saver)
+    scripts.extend(tool_round("Quito", 1, 1, "Quito answer."))
+    app.invoke({"messages": [HumanMessage("Quito?")]}, config)
+
+    # a new process: a new model on the same store and checkpointer continues the thread
+    second = model_for(sdk_clients, recorder, store=store)
+    app2 = react_graph(second, checkpointer=saver)
+    scripts.extend([answer("Still Quito.")])
+    app2.invoke({"messages": [HumanMessage("And now?")]}, config)
+    turns = recorder.of("lc-store")
+    assert len(turns) == 4
+    assert turns[-1].receipt.turn == 4 and turns[-1].receipt.epoch == 0
+    recorder.assert_exact("lc-store")
+    state = store.load("lc-store")
+    assert state is not None and state["lanes"][0]["state"]["turns"] == 4
+    assert pd.wrong_kv() == 0
+
+
+def test_a_framework_that_renames_tool_call_ids_gets_a_rewrite_not_an_error(
+    pd: Stack, sdk_clients: Any, scripts: Scripts, recorder: Recorder
+) -> None:
+    model = model_for(sdk_clients, recorder).bind_tools(TOOLS)
+    history: list[AnyMessage] = [SystemMessage(SYSTEM), HumanMessage("Weather in Bern?")]
+    scripts.extend([tool_call("get_weather", city="Bern"), answer("Bern is sunny.")])
+    first = model.invoke(history, conversation_id="lc-reid")
+    assert isinstance(first, AIMessage)
+    renamed = first.model_copy(
+        update={
+            "tool_calls": [{**first.tool_calls[0], "id": "call_renamed"}],
+            "additional_kwargs": {},
+        }
+    )
+    result = ToolMessage("It is sunny.", tool_call_id="call_renamed")
+    second = model.invoke([*history, renamed, result], conversation_id="lc-reid")
+    receipt = second.response_metadata["agentkv"]
+    assert receipt["sync"] == "rewrite" and receipt["epoch"] == 1
+    assert receipt["decision"] in ("stale", "recompute")
+    assert pd.wrong_kv() == 0

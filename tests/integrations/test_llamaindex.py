@@ -1,0 +1,170 @@
+"""agentkv-llamaindex with the real LlamaIndex agents and memory, over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from _sim import Scripts, answer, tool_call
+from agentkv_llamaindex import AgentKV, session
+from integration_support import MODEL, Recorder
+from llama_index.core.agent.workflow import FunctionAgent, ReActAgent
+from llama_index.core.llms import ChatMessage
+from llama_index.core.memory import FactExtractionMemoryBlock, Memory
+from sqlalchemy.ext.asyncio import create_async_engine
+from stack import Stack
+
+pytestmark = [
+    pytest.mark.e2e,
+    # llama-index-workflows finds an agent's steps with inspect.getmembers(), which touches
+    # pydantic's deprecated instance attributes (__fields__, model_computed_fields, ...):
+    # third-party, and only warnings raised from the inspect module are ignored.
+    pytest.mark.filterwarnings("ignore::pydantic.warnings.PydanticDeprecationWarning:inspect"),
+]
+
+MEMORY_DB = "sqlite+aiosqlite:///:memory:"  # LlamaIndex Memory's own default store
+SYSTEM = "You are a careful assistant. " + " ".join(f"Rule {i}: be brief." for i in range(20))
+
+
+def get_weather(city: str) -> str:
+    """The weather in a city."""
+    return f"It is sunny and 21 C in {city}."
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+def tool_round(city: str, a: int, b: int, text: str) -> list[dict[str, Any]]:
+    return [tool_call("get_weather", city=city), tool_call("add", a=a, b=b), answer(text)]
+
+
+def llm_for(sdk_clients: Any, recorder: Recorder, **kwargs: Any) -> AgentKV:
+    client, async_client = sdk_clients
+    return AgentKV(
+        model=MODEL,
+        client=client,
+        async_client=async_client,
+        max_tokens=200,
+        on_turn=recorder,
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_function_agent_keeps_one_conversation_per_session_token_exact(
+    pd: Stack, sdk_clients: Any, scripts: Scripts, recorder: Recorder, streaming: bool
+) -> None:
+    llm = llm_for(sdk_clients, recorder)
+    agent = FunctionAgent(
+        tools=[get_weather, add], llm=llm, system_prompt=SYSTEM, streaming=streaming
+    )
+    names = [f"li-{streaming}-a", f"li-{streaming}-b"]
+
+    async def run() -> None:
+        engine = create_async_engine(MEMORY_DB)
+        memories = {
+            name: Memory.from_defaults(session_id=name, async_engine=engine) for name in names
+        }
+        for i in range(2):
+            for name, memory in memories.items():
+                scripts.extend(tool_round(f"City{i}", i, 2, f"{name} answer {i}"))
+                with session(memory):
+                    response = await agent.run(f"question {i}", memory=memory)
+                assert str(response) == f"{name} answer {i}"
+                assert [c.tool_name for c in response.tool_calls] == ["get_weather", "add"]
+        await engine.dispose()
+        await llm.aclose()
+
+    asyncio.run(run())
+    assert recorder.ids() == names
+    for name in names:
+        turns = recorder.of(name)
+        assert len(turns) == 6 and {t.receipt.epoch for t in turns} == {0}
+        assert turns[0].receipt.decision == "miss"
+        recorder.assert_exact(name)
+    assert {r["headers"]["x-conversation-id"] for r in scripts.requests} == set(names)
+    assert pd.wrong_kv() == 0
+
+
+def test_memory_flush_with_fact_extraction_is_a_rewrite(
+    pd: Stack, sdk_clients: Any, scripts: Scripts, recorder: Recorder
+) -> None:
+    llm = llm_for(sdk_clients, recorder)
+    agent = FunctionAgent(tools=[get_weather, add], llm=llm, system_prompt=SYSTEM)
+    facts = FactExtractionMemoryBlock(name="facts", llm=llm, priority=1)
+    scripts.when(
+        "precise fact extraction system",
+        answer("<facts><fact>The user asks about towns and sums.</fact></facts>"),
+    )
+
+    async def run() -> None:
+        engine = create_async_engine(MEMORY_DB)
+        memory = Memory.from_defaults(
+            session_id="li-facts",
+            async_engine=engine,
+            token_limit=400,
+            chat_history_token_ratio=0.5,
+            token_flush_size=100,
+            memory_blocks=[facts],
+        )
+        with session(memory):
+            for i in range(4):
+                scripts.extend(tool_round(f"Town{i}", i, i, f"Town answer {i}. " * 4))
+                await agent.run(f"Weather in Town{i} and {i}+{i}?", memory=memory)
+        await engine.dispose()
+        await llm.aclose()
+
+    asyncio.run(run())
+    assert scripts.left == 0
+    assert facts.facts == ["The user asks about towns and sums."]
+    main = recorder.of("li-facts")
+    assert len(main) == 12
+    rewrites = [t for t in main if t.receipt.rewrite is not None]
+    assert rewrites, "the memory never flushed"
+    assert main[-1].receipt.epoch == len(rewrites)
+    recorder.assert_exact("li-facts")
+    # the fact extractor reads old messages: a conversation of its own, not a rewrite of ours
+    asides = [i for i in recorder.ids() if i != "li-facts"]
+    assert asides and all(i.startswith("li-facts#") for i in asides)
+    assert pd.wrong_kv() == 0
+
+
+# llama-index-core's ReActAgent still calls the workflow Context.is_running it deprecated.
+@pytest.mark.filterwarnings("ignore:is_running called from within a step:DeprecationWarning")
+def test_react_agent_and_plain_calls(
+    pd: Stack, sdk_clients: Any, scripts: Scripts, recorder: Recorder
+) -> None:
+    llm = llm_for(sdk_clients, recorder)
+    agent = ReActAgent(tools=[get_weather], llm=llm, system_prompt=SYSTEM, streaming=False)
+    scripts.extend(
+        [
+            answer(
+                'Thought: I need the weather.\nAction: get_weather\nAction Input: {"city": "Lima"}'
+            ),
+            answer("Thought: I can answer without using any more tools.\nAnswer: Lima is sunny."),
+        ]
+    )
+
+    async def run() -> str:
+        with session("li-react"):
+            return str(await agent.run("Weather in Lima?"))
+
+    assert asyncio.run(run()) == "Lima is sunny."
+    assert len(recorder.of("li-react")) == 2
+    recorder.assert_exact("li-react")
+
+    # the plain sync API: chat, then a streamed follow-up in the same session
+    history = [ChatMessage(role="system", content=SYSTEM), ChatMessage(role="user", content="Hi")]
+    scripts.extend([answer("Hello."), answer("Still here. " * 4)])
+    first = llm.chat(history, conversation_id="li-plain")
+    assert first.message.content == "Hello."
+    history += [first.message, ChatMessage(role="user", content="Again?")]
+    *_, last = llm.stream_chat(history, conversation_id="li-plain")
+    assert last.message.content == "Still here. " * 4
+    assert last.additional_kwargs["agentkv"]["sync"] == "append"
+    assert llm.complete("One word?").text
+    recorder.assert_exact("li-plain")
+    assert pd.wrong_kv() == 0
