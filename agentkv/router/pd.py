@@ -200,7 +200,7 @@ class Router:
             if r.status_code < 500:
                 raise UpstreamError(r.status_code, r.content)
             last = RuntimeError(f"/tokenize answered {r.status_code}")
-        raise RouterError(503, f"Could not tokenize the prompt: {last}")
+        raise RouterError(503, f"Could not tokenize the prompt: {last!r}")
 
     # -- 3. prefill --------------------------------------------------------------------------
     async def _prefill(self, req: ClientRequest, ids: list[int], plan: Plan) -> _Prefilled:
@@ -320,9 +320,12 @@ class Router:
                 req, ids, plan if attempt == 0 else Plan("recompute", None, 0, 0, False)
             )
             if attempt == 0:
+                if plan.params is not None and pre.plan.params is None and taken is not None:
+                    # P failed with the handle attached: D still pins its blocks; free them
+                    self._spawn(self.release(taken.handle, "prefill_failed"))
                 plan = pre.plan
             holder = taken.handle.decode_url if taken else None
-            candidates = [e for e in self.pool.decode if e.url not in tried]
+            candidates = [e for e in self.pool.decode if e.url not in tried] or self.pool.decode
             engine = pick_decode(candidates, holder)
             if engine is None:
                 raise RouterError(503, "No healthy decode instance.")

@@ -34,6 +34,7 @@ class Engine:
     role: str
     backend: Backend
     client: httpx.AsyncClient
+    health: httpx.AsyncClient
     healthy: bool = True
     failures: int = 0
     outstanding_tokens: int = 0
@@ -68,8 +69,11 @@ def _score(key: str, url: str) -> int:
 def pick_prefill(
     engines: Sequence[Engine], key: str | None, *, cap_tokens: int, need_bidirectional: bool
 ) -> Engine | None:
-    """Rendezvous-hash ``key`` over healthy P; the least-loaded one when that is over its cap."""
-    pool = [e for e in engines if e.healthy and (e.backend.bidirectional or not need_bidirectional)]
+    """Rendezvous-hash ``key`` over healthy P; the least-loaded one when that is over its cap.
+    When every P is ejected, they are all tried anyway (an overloaded instance fails its health
+    checks; answering slowly beats answering 503)."""
+    able = [e for e in engines if e.backend.bidirectional or not need_bidirectional]
+    pool = [e for e in able if e.healthy] or able
     if not pool:
         return None
     least = min(pool, key=lambda e: e.outstanding_tokens)
@@ -80,8 +84,9 @@ def pick_prefill(
 
 
 def pick_decode(engines: Sequence[Engine], holder: str | None, *, slack: int = 2) -> Engine | None:
-    """The least busy healthy D; the one holding the conversation's KV unless much busier."""
-    pool = [e for e in engines if e.healthy]
+    """The least busy healthy D; the one holding the conversation's KV unless much busier
+    (every D when all are ejected, as for P)."""
+    pool = [e for e in engines if e.healthy] or list(engines)
     if not pool:
         return None
     least = min(pool, key=lambda e: e.outstanding_requests)
@@ -99,14 +104,23 @@ class EnginePool:
     ) -> None:
         self.config = config
         timeout = httpx.Timeout(config.request_timeout_s, connect=5.0)
+        # keep-alive shorter than the engines' (uvicorn's 5 s), so the router never reuses a
+        # connection the engine is closing; as many idle connections as pooled ones
+        limits = httpx.Limits(
+            max_connections=256, max_keepalive_connections=256, keepalive_expiry=4.0
+        )
 
         def client(b: Backend) -> httpx.AsyncClient:
             return httpx.AsyncClient(
-                base_url=b.url, timeout=timeout, transport=transport, trust_env=False
+                base_url=b.url, timeout=timeout, transport=transport, trust_env=False, limits=limits
             )
 
-        self.prefill = [Engine("prefill", b, client(b)) for b in config.prefill]
-        self.decode = [Engine("decode", b, client(b)) for b in config.decode]
+        def health_client(b: Backend) -> httpx.AsyncClient:
+            # health checks never queue behind requests in the request pool
+            return httpx.AsyncClient(base_url=b.url, transport=transport, trust_env=False)
+
+        self.prefill = [Engine("prefill", b, client(b), health_client(b)) for b in config.prefill]
+        self.decode = [Engine("decode", b, client(b), health_client(b)) for b in config.decode]
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
@@ -146,3 +160,4 @@ class EnginePool:
                 await task
         for e in self.all:
             await e.client.aclose()
+            await e.health.aclose()

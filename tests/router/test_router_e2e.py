@@ -340,3 +340,19 @@ def test_tokenize_and_models_pass_through(pd):
 def test_health_reports_engines(pd):
     body = httpx.get(f"{pd.router.url}/health").json()
     assert body["status"] == "ok" and all(body["prefill"].values())
+
+
+def test_a_handle_p_could_not_use_is_released(pd):
+    with client(pd) as c:
+        conv = c.conversation(model="agentkv-sim", system=SYSTEM)
+        conv.add_user("hello")
+        conv.create(max_tokens=60)
+        held = pd.retained(pd.decode[0])
+        httpx.post(f"{pd.prefill[0].url}/_sim/faults", json={"fail_next": 1, "fail_status": 500})
+        conv.add_user("P fails once with the handle attached")
+        conv.create(max_tokens=20)
+        assert conv.last_receipt.decision == "recompute"
+        deadline = time.monotonic() + 5
+        while pd.retained(pd.decode[0]) > held and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pd.retained(pd.decode[0]) == held  # the old handle released, the new one held
