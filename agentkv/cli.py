@@ -56,6 +56,12 @@ def sim(
     preset: Annotated[
         str, typer.Option(help="Cost model preset (see docs/simulator.md).")
     ] = "laptop",
+    costs: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option(
+            help="Cost file (JSON/TOML, e.g. from `agentkv calibrate`); replaces --preset."
+        ),
+    ] = None,
     time_scale: Annotated[float, typer.Option(help="Multiply simulated delays; 0 = none.")] = 1.0,
     decoder_kv_blocks_ttl: Annotated[
         float, typer.Option(help="Seconds D keeps a finished turn's blocks.")
@@ -115,6 +121,7 @@ def sim(
                 num_blocks=num_blocks,
                 max_model_len=max_model_len,
                 preset=preset,
+                costs=costs,
                 time_scale=time_scale,
                 decoder_kv_blocks_ttl=decoder_kv_blocks_ttl,
                 kv_lease_duration=kv_lease_duration,
@@ -142,7 +149,8 @@ def sim(
         raise typer.Exit(2) from exc
     typer.echo(
         f"agentkv sim: {config.role} engine {config.engine_id} on http://{host}:{port} "
-        f"(model {served_model_name}, block size {block_size}, preset {preset}, compat {compat})",
+        f"(model {served_model_name}, block size {block_size}, "
+        f"{'costs ' + costs if costs else 'preset ' + preset}, compat {compat})",
         err=True,
     )
     uvicorn.run(application, host=host, port=port, log_level=log_level, access_log=False)
@@ -445,6 +453,601 @@ def check_template(
         "prefix-stable in messages mode" if report.stable else "NOT prefix-stable in messages mode"
     )
     console.print(f"{report.template}: {stable}; exact mode keeps every turn token-identical.")
+
+
+# -- benchmarks: `agentkv bench replay|curves`, `agentkv plan`, `agentkv calibrate` ---------------
+bench_app = typer.Typer(
+    help="Benchmarks: replay real agent traces through the SDK and router; preset TTFT curves.",
+    no_args_is_help=True,
+)
+app.add_typer(bench_app, name="bench")
+
+
+def _exit_on_sigterm() -> None:
+    """SIGTERM ends the command like Ctrl-C, so started processes are stopped."""
+    import signal
+    import sys
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
+def _floats(text: str | None, name: str) -> list[float] | None:
+    if not text:
+        return None
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        typer.echo(f"agentkv: {name} must be a comma-separated list of numbers", err=True)
+        raise typer.Exit(2) from None
+
+
+def _cost_model(costs: str | None, preset: str | None) -> tuple[Any, str]:
+    from agentkv.sim.costmodel import PRESETS, load_cost_file
+
+    if costs and preset:
+        typer.echo("agentkv: give --costs or --preset, not both", err=True)
+        raise typer.Exit(2)
+    if costs:
+        try:
+            return load_cost_file(costs), f"cost file {costs}"
+        except ValueError as exc:
+            typer.echo(f"agentkv: {exc}", err=True)
+            raise typer.Exit(2) from exc
+    name = preset or "qwen3-32b-p5en"
+    if name not in PRESETS:
+        typer.echo(
+            f"agentkv: unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}", err=True
+        )
+        raise typer.Exit(2)
+    return PRESETS[name], f"preset {name}"
+
+
+def _print_rows(rows: list[list[str]], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for i, column in enumerate(rows[0]):
+        table.add_column(column, justify="left" if i == 0 else "right")
+    for row in rows[1:]:
+        table.add_row(*row)
+    Console(width=max(140, Console().width)).print(table)
+
+
+@bench_app.command("replay")
+def bench_replay(
+    trace: Annotated[str, typer.Argument(help="Claude Code (.jsonl[.xz]), Mooncake or vLLM JSON.")],
+    endpoint: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option(help="agentkv router's OpenAI base URL (…/v1) of a running deployment."),
+    ] = None,
+    local: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option(help="Start this profile (name or TOML) for the run [default: local]."),
+    ] = None,
+    compare: Annotated[
+        bool,
+        typer.Option(
+            "--compare", help="Also run no reuse and unverified reuse on the same engines."
+        ),
+    ] = False,
+    unverified_endpoint: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option(help="With --endpoint --compare: a router with reuse_policy=unverified."),
+    ] = None,
+    sessions: Annotated[int, typer.Option(help="Sessions to replay (the first that fit).")] = 16,
+    skip: Annotated[int, typer.Option(help="Skip this many fitting sessions first.")] = 0,
+    max_turns: Annotated[
+        Optional[int], typer.Option(help="Replay at most this many turns per session.")  # noqa: UP045
+    ] = None,
+    max_context: Annotated[
+        Optional[int],  # noqa: UP045
+        typer.Option(help="Skip sessions whose scaled prompts exceed this many tokens."),
+    ] = None,
+    token_scale: Annotated[
+        float, typer.Option(help="Multiply hashed traces' token counts (e.g. 0.0625).")
+    ] = 1.0,
+    time_scale: Annotated[float, typer.Option(help="Multiply the trace's gaps (and TTLs).")] = 1.0,
+    concurrency: Annotated[int, typer.Option(help="Sessions in flight at once.")] = 8,
+    preset: Annotated[
+        Optional[str], typer.Option(help="--local: simulator cost preset.")  # noqa: UP045
+    ] = None,
+    costs: Annotated[
+        Optional[str], typer.Option(help="--local: simulator cost file.")  # noqa: UP045
+    ] = None,
+    router_ttl: Annotated[
+        float, typer.Option(help="--endpoint: the router's TTL in real seconds.")
+    ] = 450.0,
+    decoder_ttl: Annotated[
+        float, typer.Option(help="--endpoint: D's decoder_kv_blocks_ttl in real seconds.")
+    ] = 480.0,
+    trace_format: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option("--format", help="claude-code | mooncake | vllm-multi-turn [auto]."),
+    ] = None,
+    subagents: Annotated[
+        bool, typer.Option("--subagents", help="Claude Code: sub-agents as sessions too.")
+    ] = False,
+    honor_starts: Annotated[
+        bool, typer.Option("--honor-starts", help="Start sessions at their trace times.")
+    ] = False,
+    out: Annotated[str, typer.Option(help="Directory for the report.")] = "agentkv-replay",
+    plots: Annotated[bool, typer.Option(help="Write PNG plots (needs matplotlib).")] = True,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+) -> None:
+    """Replay a trace's sessions through the SDK (exact mode) and the router: TTFT, reuse against
+    the ideal, recompute, wrong-KV tokens and D's retained block-seconds, per turn."""
+    import contextlib
+    from pathlib import Path
+
+    from agentkv.bench import deploy, runner
+    from agentkv.bench.replay import Policy, ReplaySettings
+    from agentkv.bench.traces import TraceError, detect_format
+
+    _exit_on_sigterm()
+    if endpoint and local:
+        typer.echo("agentkv bench replay: give --endpoint or --local, not both", err=True)
+        raise typer.Exit(2)
+    if token_scale <= 0 or time_scale <= 0:
+        typer.echo("agentkv bench replay: scales must be positive", err=True)
+        raise typer.Exit(2)
+    fmt: Any = trace_format
+    if fmt not in (None, "claude-code", "mooncake", "vllm-multi-turn"):
+        typer.echo(f"agentkv bench replay: unknown --format {fmt!r}", err=True)
+        raise typer.Exit(2)
+    try:
+        chosen = runner.select_sessions(
+            runner.load_sessions(trace, fmt, include_subagents=subagents),
+            count=sessions,
+            token_scale=token_scale,
+            max_turns=max_turns,
+            max_context=max_context,
+            skip=skip,
+        )
+        fmt = fmt or detect_format(trace)
+    except (TraceError, OSError) as exc:
+        typer.echo(f"agentkv bench replay: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    if not chosen:
+        typer.echo("agentkv bench replay: no session of the trace fits the filters", err=True)
+        raise typer.Exit(2)
+    selection = (
+        f"the first {len(chosen)} sessions"
+        + (f" after skipping {skip}" if skip else "")
+        + " with 2 turns or more"
+        + (f", cut to {max_turns} turns" if max_turns else "")
+        + (f", whose scaled prompts stay within {max_context:,} tokens" if max_context else "")
+    )
+    meta = {"trace": trace, "format": fmt, "selection": selection}
+    with contextlib.ExitStack() as stack:
+        if endpoint:
+            if compare and not unverified_endpoint:
+                typer.echo(
+                    "agentkv bench replay: --endpoint --compare needs --unverified-endpoint",
+                    err=True,
+                )
+                raise typer.Exit(2)
+            targets: dict[Policy, str] = {"agentkv": endpoint}
+            if compare:
+                targets = {"none": endpoint, "unverified": str(unverified_endpoint), **targets}
+            settings = ReplaySettings(
+                model="",
+                time_scale=time_scale,
+                router_ttl_s=router_ttl / time_scale,
+                decoder_ttl_s=decoder_ttl / time_scale,
+                gap_cap_real_s=decoder_ttl + 1,
+                concurrency=concurrency,
+                honor_starts=honor_starts,
+            )
+            run = runner.ReplayRun(targets, settings, setup={"endpoint": endpoint})
+            import httpx
+
+            try:
+                models = httpx.get(endpoint.rstrip("/") + "/models", timeout=10).json()
+                settings = ReplaySettings(**{**settings.__dict__, "model": models["data"][0]["id"]})
+                run.settings = settings
+            except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+                typer.echo(f"agentkv bench replay: {endpoint}/models: {exc}", err=True)
+                raise typer.Exit(2) from exc
+        else:
+            typer.echo(f"agentkv bench replay: starting profile {local or 'local'} …", err=True)
+            try:
+                s = stack.enter_context(
+                    deploy.local_stack(
+                        local or "local",
+                        time_scale=time_scale,
+                        preset=preset,
+                        costs=costs,
+                        unverified=compare,
+                    )
+                )
+            except Exception as exc:
+                typer.echo(
+                    f"agentkv bench replay: could not start {local or 'local'}: {exc}", err=True
+                )
+                raise typer.Exit(1) from exc
+            targets = {"agentkv": s.base_url}
+            if compare:
+                assert s.unverified_url is not None
+                targets = {"none": s.base_url, "unverified": s.unverified_url, **targets}
+            settings = ReplaySettings(
+                model=s.model,
+                block_size=s.block_size,
+                time_scale=time_scale,
+                router_ttl_s=s.router_ttl_s,
+                decoder_ttl_s=s.decoder_ttl_s,
+                gap_cap_real_s=s.decoder_ttl_real_s + 1,
+                concurrency=concurrency,
+                honor_starts=honor_starts,
+            )
+            setup = {
+                "profile": f"{s.profile} ({s.description})",
+                "simulator costs": costs or f"preset {preset or 'of the profile'}",
+                "prefill prefix caching": "on" if s.prefill_prefix_caching else "off",
+                "kv_recompute_threshold": s.kv_recompute_threshold,
+                "chat template": "plain ChatML (agentkv/bench/chatml.jinja), thinking off",
+                "router_ttl_real_s": s.router_ttl_s * time_scale,
+                "decoder_ttl_real_s": s.decoder_ttl_real_s,
+            }
+            run = runner.ReplayRun(
+                targets,
+                settings,
+                decode_urls=s.decode_urls,
+                engine_urls=s.engine_urls,
+                drain_timeout_s=s.decoder_ttl_real_s + 5,
+                setup=setup,
+            )
+        outcome = runner.run(
+            chosen,
+            run,
+            token_scale=token_scale,
+            out_dir=Path(out),
+            plots=plots,
+            progress=progress,
+            meta=meta,
+        )
+    _print_rows(runner.summary_rows(outcome.summaries), "agentkv bench replay")
+    for path in outcome.files:
+        typer.echo(f"wrote {path}")
+
+
+@bench_app.command("curves")
+def bench_curves(
+    preset: Annotated[
+        Optional[list[str]],  # noqa: UP045
+        typer.Option("--preset", help="Preset to run (repeat) [qwen3-32b-p5en, glm-5-fp8-p5en]."),
+    ] = None,
+    sizes: Annotated[
+        str, typer.Option(help="Prompt lengths, comma-separated.")
+    ] = "1024,2048,4096,8192,12288,16384,20480,24576,32768",
+    out: Annotated[str, typer.Option(help="PNG to write.")] = "preset_ttft.png",
+    json_out: Annotated[
+        Optional[str], typer.Option("--json", help="Also write the points as JSON.")  # noqa: UP045
+    ] = None,
+) -> None:
+    """Run the published benchmark's two scenarios (recompute; reuse of all but the last 10 %)
+    as real P/D turns through the router and simulator processes of each preset, and plot them
+    against the cost model and the published points."""
+    import asyncio
+    import json as json_module
+    from pathlib import Path
+
+    from agentkv.bench import deploy, plots
+    from agentkv.bench.calibrate import CalibrationError, measure_curve
+    from agentkv.sim.costmodel import PRESETS, PUBLISHED_POINTS, reused_tokens_for
+
+    _exit_on_sigterm()
+    names = preset or ["qwen3-32b-p5en", "glm-5-fp8-p5en"]
+    points = [int(x) for x in _floats(sizes, "--sizes") or []]
+    curves: dict[str, dict[str, Any]] = {}
+    rows = [
+        [
+            "preset",
+            "prompt tokens",
+            "recompute ms (model)",
+            "measured",
+            "reuse ms (model)",
+            "measured",
+        ]
+    ]
+    for name in names:
+        if name not in PRESETS:
+            typer.echo(f"agentkv: unknown preset {name!r}", err=True)
+            raise typer.Exit(2)
+        cost = PRESETS[name]
+        typer.echo(f"agentkv bench curves: {name} …", err=True)
+        try:
+            with deploy.local_stack(
+                "local",
+                time_scale=1.0,
+                preset=name,
+                decode_prefix_caching=False,
+                unverified=False,
+            ) as s:
+                # time_scale 0 would be better, but local_stack scales TTLs by it: keep real time
+                # and read the modelled TTFT header (the engines sleep for it).
+                measured = asyncio.run(measure_curve(s.base_url, points, model=s.model))
+        except CalibrationError as exc:
+            typer.echo(f"agentkv bench curves: {exc}", err=True)
+            raise typer.Exit(1) from exc
+        xs = list(range(512, max(points) + 1, 512))
+        curves[name] = {
+            "model_x": xs,
+            "model_recompute_ms": [cost.ttft_s(n, 0) * 1000 for n in xs],
+            "model_reuse_ms": [cost.ttft_s(n, reused_tokens_for(n)) * 1000 for n in xs],
+            "measured_recompute": [(n, a * 1000) for n, a, _ in measured],
+            "measured_reuse": [(n, b * 1000) for n, _, b in measured],
+            "published_recompute": [
+                (p.prompt_tokens, p.seconds * 1000)
+                for p in PUBLISHED_POINTS
+                if p.preset == name and p.measurement == "ttft_recompute"
+            ],
+            "published_reuse": [
+                (p.prompt_tokens, p.seconds * 1000)
+                for p in PUBLISHED_POINTS
+                if p.preset == name and p.measurement == "ttft_reuse"
+            ],
+        }
+        for n, a, b in measured:
+            rows.append(
+                [
+                    name,
+                    f"{n:,}",
+                    f"{cost.ttft_s(n, 0) * 1000:,.1f}",
+                    f"{a * 1000:,.1f}",
+                    f"{cost.ttft_s(n, reused_tokens_for(n)) * 1000:,.1f}",
+                    f"{b * 1000:,.1f}",
+                ]
+            )
+    plots.plot_preset_curves(curves, Path(out))
+    if json_out:
+        Path(json_out).write_text(json_module.dumps(curves, indent=2) + "\n")
+    _print_rows(rows, "TTFT through router + simulator (P/D turns, modelled)")
+    typer.echo(f"wrote {out}")
+
+
+@app.command()
+def plan(
+    trace: Annotated[str, typer.Argument(help="Claude Code (.jsonl[.xz]), Mooncake or vLLM JSON.")],
+    costs: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option(help="Cost file (from `agentkv calibrate`, or CostModel fields)."),
+    ] = None,
+    preset: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option(help="Simulator cost preset [default: qwen3-32b-p5en]."),
+    ] = None,
+    sessions: Annotated[
+        Optional[int], typer.Option(help="Use only the first N sessions.")  # noqa: UP045
+    ] = None,
+    block_size: Annotated[int, typer.Option(help="Engines' KV block size.")] = 16,
+    ttl: Annotated[
+        Optional[str], typer.Option(help="D TTLs to try (s), comma-separated.")  # noqa: UP045
+    ] = None,
+    threshold: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option(help="kv_recompute_threshold values to try, comma-separated."),
+    ] = None,
+    target: Annotated[
+        float, typer.Option(help="Recommend the shortest TTL capturing this share of the best.")
+    ] = 0.95,
+    offload_gbps: Annotated[float, typer.Option(help="CPU tier read bandwidth (GB/s).")] = 25.0,
+    offload_horizon: Annotated[
+        float, typer.Option(help="How long a CPU tier keeps KV (s).")
+    ] = 3600.0,
+    epoch_rule: Annotated[
+        bool,
+        typer.Option(
+            help="Rewrites read nothing back (agentkv's router today); --no-epoch-rule "
+            "counts their verified prefix."
+        ),
+    ] = True,
+    trace_format: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option("--format", help="claude-code | mooncake | vllm-multi-turn [auto]."),
+    ] = None,
+    out: Annotated[
+        Optional[str], typer.Option(help="Directory for plan.json and plan.png.")  # noqa: UP045
+    ] = None,
+) -> None:
+    """Recommend decoder_kv_blocks_ttl, the router TTL and kv_recompute_threshold from a trace's
+    gaps and token profile, and say whether a CPU offload tier pays beyond the TTL."""
+    from pathlib import Path
+
+    from agentkv.bench.plan import DEFAULT_TTLS, make_plan
+    from agentkv.bench.traces import TraceError, load_trace
+
+    cost, source = _cost_model(costs, preset)
+    fmt: Any = trace_format
+    try:
+        loaded = load_trace(trace, format=fmt, limit=sessions)
+        result = make_plan(
+            loaded,
+            cost,
+            block_size=block_size,
+            ttls=_floats(ttl, "--ttl") or DEFAULT_TTLS,
+            thresholds=[int(x) for x in _floats(threshold, "--threshold") or []] or None,
+            target=target,
+            epoch_rule=epoch_rule,
+            offload_horizon_s=offload_horizon,
+            offload_gbps=offload_gbps,
+        )
+    except (TraceError, OSError, ValueError) as exc:
+        typer.echo(f"agentkv plan: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    header = [
+        "D TTL s",
+        "router TTL s",
+        "threshold",
+        "reuse captured",
+        "turns expired",
+        "lost to rewrites",
+        "retained block-hours",
+        "prefill s saved",
+        "TTFT saved",
+    ]
+    rows = [header]
+    for r in result.rows:
+        if r.threshold != result.threshold:
+            continue
+        rows.append(
+            [
+                f"{r.ttl_s:g}",
+                f"{r.router_ttl_s:g}",
+                str(r.threshold),
+                f"{r.captured_pct:.2f}%",
+                str(r.turns_expired),
+                f"{r.lost_to_rewrites_tokens:,}",
+                f"{r.retained_block_s / 3600:,.1f}",
+                f"{r.prefill_s_saved:,.1f}",
+                f"{r.ttft_saved_pct:.1f}%",
+            ]
+        )
+    st = result.stats
+    _print_rows(
+        rows,
+        f"agentkv plan: {st['sessions']} sessions, {st['turns']} turns, {source}",
+    )
+    chosen = result.row(result.ttl_s, result.threshold)
+    by_threshold = [["threshold", "reuse captured", "lost to threshold", "TTFT saved"]]
+    for r in result.rows:
+        if r.ttl_s == result.ttl_s:
+            by_threshold.append(
+                [
+                    str(r.threshold),
+                    f"{r.captured_pct:.2f}%",
+                    f"{r.lost_to_threshold_tokens:,}",
+                    f"{r.ttft_saved_pct:.2f}%",
+                ]
+            )
+    _print_rows(by_threshold, f"at decoder_kv_blocks_ttl = {result.ttl_s:g} s")
+    even = result.break_even_tokens
+    typer.echo(
+        f"recommend: decoder_kv_blocks_ttl = {result.ttl_s:g} (captures "
+        f"{chosen.captured_pct:.1f}% of the reusable tokens, ≥ {target:.0%} of the best on the "
+        f"grid); router TTL = {result.router_ttl_s:g} s (ttl_margin_s = "
+        f"{result.ttl_s - result.router_ttl_s:g}); kv_recompute_threshold = {result.threshold} "
+        + (
+            f"(reading fewer tokens is slower than recomputing them with {source})"
+            if even is not None
+            else "(reading KV never beats recomputing with these costs)"
+        )
+    )
+    off = result.offload
+    typer.echo(
+        f"CPU offload tier beyond the TTL: {'pays' if off.pays else 'does not pay'} — {off.reason} "
+        f"({off.turns} turns, {off.tokens:,} tokens, {off.ttft_s_saved:,.1f} s of TTFT saved, "
+        f"{off.gib_hours:,.1f} GiB-hours of CPU memory)"
+    )
+    if out:
+        from agentkv.bench import plots
+        from agentkv.bench.report import write_json
+
+        folder = Path(out)
+        folder.mkdir(parents=True, exist_ok=True)
+        data = result.to_dict()
+        data["costs"] = {"source": source, **cost.model_dump()}
+        write_json(folder / "plan.json", data)
+        plots.plot_tradeoff(
+            [r.to_dict() for r in result.rows],
+            folder / "plan.png",
+            title=f"{Path(trace).parent.name}/{Path(trace).name}: reuse against retained KV "
+            f"({source})",
+        )
+        typer.echo(f"wrote {folder / 'plan.json'} and {folder / 'plan.png'}")
+
+
+@app.command()
+def calibrate(
+    endpoint: Annotated[str, typer.Option(help="agentkv router's OpenAI base URL (…/v1).")],
+    out: Annotated[str, typer.Option(help="Cost file to write.")] = "agentkv-costs.json",
+    contexts: Annotated[
+        str, typer.Option(help="Prompt lengths to measure, comma-separated.")
+    ] = "512,1024,2048,4096,8192",
+    repeats: Annotated[int, typer.Option(help="Measurements per length (median used).")] = 3,
+    decode_tokens: Annotated[int, typer.Option(help="Tokens per decode measurement.")] = 24,
+    block_size: Annotated[int, typer.Option(help="Engines' KV block size.")] = 16,
+    kv_bytes_per_token: Annotated[
+        int, typer.Option(help="KV bytes per token (only sizes transfers and the CPU tier).")
+    ] = 0,
+    timing: Annotated[
+        str, typer.Option(help="wall (client clock) | model (the simulator's TTFT header).")
+    ] = "wall",
+    model: Annotated[
+        Optional[str], typer.Option(help="Model name [the server's first].")  # noqa: UP045
+    ] = None,
+) -> None:
+    """Measure prefill time per token by context length, pull time per block and decode time
+    per token on a live deployment, and write a cost file for `agentkv sim --costs` and
+    `agentkv plan --costs`."""
+    from pathlib import Path
+
+    from agentkv.bench.calibrate import (
+        CalibrationError,
+        fit_cost_model,
+        run_measure,
+        write_cost_file,
+    )
+
+    if timing not in ("wall", "model"):
+        typer.echo("agentkv calibrate: --timing must be wall or model", err=True)
+        raise typer.Exit(2)
+    sizes = [int(x) for x in _floats(contexts, "--contexts") or []]
+    try:
+        measurements = run_measure(
+            endpoint,
+            contexts=sizes,
+            repeats=repeats,
+            decode_tokens=decode_tokens,
+            model=model,
+            timing=timing,
+            on_step=lambda s: typer.echo(f"  {s}", err=True),
+        )
+        fitted = fit_cost_model(measurements, block_size, kv_bytes_per_token)
+    except (CalibrationError, OSError) as exc:
+        typer.echo(f"agentkv calibrate: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    except Exception as exc:  # httpx errors: say where
+        typer.echo(f"agentkv calibrate: {endpoint}: {type(exc).__name__}: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    write_cost_file(
+        Path(out), fitted, measurements, endpoint=endpoint, timing=timing, block_size=block_size
+    )
+    rows = [["measurement", "prompt tokens", "reused", "seconds", "model"]]
+    for m in measurements:
+        if m.kind == "recompute":
+            predicted = fitted.ttft_s(m.prompt_tokens, 0)
+        elif m.kind == "pull":
+            local = m.reused_tokens // block_size * block_size
+            predicted = (
+                fitted.overhead_s
+                + fitted.prefill_s(m.prompt_tokens - m.reused_tokens, m.reused_tokens)
+                + fitted.transfer_s(m.reused_tokens)
+                + fitted.transfer_s(m.prompt_tokens - local)
+                + fitted.decode_s(1, m.prompt_tokens)
+            )
+        else:
+            predicted = fitted.decode_s(1, m.prompt_tokens)
+        rows.append(
+            [
+                m.kind,
+                f"{m.prompt_tokens:,}",
+                f"{m.reused_tokens:,}",
+                f"{m.seconds:.4f}",
+                f"{predicted:.4f}",
+            ]
+        )
+    _print_rows(rows, f"agentkv calibrate: {endpoint} ({timing} clock)")
+    f = fitted
+    typer.echo(
+        f"prefill {f.prefill_s_per_token * 1e6:.2f} µs/token + "
+        f"{f.prefill_s_per_token_ctx * 1e12:.3f} ps per (token × context token); "
+        f"pull {f.transfer_s_base * 1000:.2f} ms + "
+        f"{f.transfer_s_per_block * 1e6:.2f} µs per {block_size}-token block; decode "
+        f"{f.decode_s_per_token * 1000:.2f} ms/token + {f.decode_s_per_token_ctx * 1e9:.3f} ns per "
+        f"context token; overhead {f.overhead_s * 1000:.1f} ms"
+    )
+    typer.echo(f"wrote {out}")
 
 
 def main() -> None:

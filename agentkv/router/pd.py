@@ -451,23 +451,27 @@ class Router:
         started: float,
     ) -> AsyncIterator[bytes]:
         captured = Captured()
-        done = False
+        done = remembered = False
         try:
             async for line in upstream.aiter_lines():
                 if not line.startswith("data: "):
                     continue
                 payload = line[6:]
                 if payload.strip() == "[DONE]":
-                    # store D's handle before the client can see the end and send its next turn
                     done = True
-                    await self._remember(req, key, ids, captured, engine)
                     yield sse("[DONE]")
                     continue
                 try:
                     chunk = orjson.loads(payload)
                 except orjson.JSONDecodeError:
                     continue
-                yield sse(rewrite_chunk(chunk, captured, keep_ids=req.wants_token_ids))
+                out = sse(rewrite_chunk(chunk, captured, keep_ids=req.wants_token_ids))
+                if captured.handle is not None and not remembered:
+                    # D's handle comes on the finish_reason chunk, with the last token: store it
+                    # before the client sees the end and can send its next turn
+                    remembered = True
+                    await self._remember(req, key, ids, captured, engine)
+                yield out
         except httpx.HTTPError:
             self.metrics.upstream_errors.labels("decode", "stream").inc()
             engine.failed(self.config.eject_after_failures)

@@ -36,7 +36,7 @@ from agentkv.protocol import (
 )
 from agentkv.sim.clock import Clock
 from agentkv.sim.config import SimConfig
-from agentkv.sim.costmodel import PRESETS, CostModel
+from agentkv.sim.costmodel import PRESETS, CostModel, load_cost_file
 from agentkv.sim.engine import Engine, EngineError, Finished, Scheduled
 from agentkv.sim.faults import Faults
 from agentkv.sim.metrics import SimMetrics
@@ -101,7 +101,7 @@ def create_app(
         config: the instance's settings (defaults: a plain instance, real Qwen3 vocabulary).
         tokenizer: overrides ``config.tokenizer``.
         template: overrides ``config.template``.
-        cost: overrides ``config.preset``.
+        cost: overrides ``config.costs`` and ``config.preset``.
         clock: the instance's private clock (default: ``perf_counter`` shifted by
             ``config.clock_offset_s``, sleeps scaled by ``config.time_scale``).
         transfer: how to reach other instances (default: HTTP).
@@ -110,6 +110,8 @@ def create_app(
     cfg = config or SimConfig()
     tok = tokenizer or load_tokenizer(cfg.tokenizer)
     tmpl = template or load_template(cfg.template, tok)
+    if cost is None and cfg.costs is not None:
+        cost = load_cost_file(cfg.costs)
     if cost is None:
         if cfg.preset not in PRESETS:
             raise ValueError(f"unknown preset {cfg.preset!r}; known: {', '.join(sorted(PRESETS))}")

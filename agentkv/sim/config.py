@@ -35,6 +35,9 @@ class SimConfig(BaseModel):
     max_model_len: int = Field(131072, ge=16)
     preset: str = "laptop"
     """Cost model preset (``agentkv.sim.costmodel.PRESETS``)."""
+    costs: str | None = None
+    """A cost file (JSON or TOML of :class:`~agentkv.sim.costmodel.CostModel` fields, e.g. from
+    ``agentkv calibrate``); replaces ``preset``."""
     time_scale: float = Field(1.0, ge=0.0)
     """Multiplies every simulated delay; 0 means none."""
     decoder_kv_blocks_ttl: float = Field(480.0, gt=0)

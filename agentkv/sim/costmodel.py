@@ -55,10 +55,18 @@ step reads.
 
 from __future__ import annotations
 
+import json
+import sys
 from dataclasses import dataclass
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 __all__ = [
     "PRESETS",
@@ -66,6 +74,7 @@ __all__ = [
     "REUSE_NEW_FRACTION",
     "CostModel",
     "PublishedPoint",
+    "load_cost_file",
     "published_value_s",
     "reused_tokens_for",
 ]
@@ -222,3 +231,24 @@ PRESETS: dict[str, CostModel] = {
         kv_bytes_per_token=89_856,  # MLA: 78 layers x (512 + 64) latent x bf16, no DSA indexer
     ),
 }
+
+
+def load_cost_file(path: str | Path) -> CostModel:
+    """A :class:`CostModel` from a JSON or TOML file: its fields at the top level, or under
+    ``cost_model`` (what ``agentkv calibrate`` writes, with its measurements beside it).
+
+    Raises ``ValueError`` naming the file when it cannot be read or a field is wrong."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+        data: Any = tomllib.loads(text) if p.suffix == ".toml" else json.loads(text)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read cost file {p}: {exc}") from exc
+    if isinstance(data, dict) and isinstance(data.get("cost_model"), dict):
+        data = data["cost_model"]
+    try:
+        return CostModel.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"]) or "(top level)"
+        raise ValueError(f"cost file {p}: {where}: {first['msg']}") from None

@@ -210,7 +210,11 @@ def test_streaming_sync_and_async_with_tool_calls(
     scripts.extend([answer("Short.")])
     again = bound.invoke([*history, reply, HumanMessage("More?")], conversation_id="lc-stream")
     assert again.response_metadata["agentkv"]["conversation_id"] == "lc-stream"
-    recorder.assert_exact("lc-stream")
+    # the abandoned turn took the stored handle (single use); whether D's new one was stored
+    # before the client left depends on timing, so the next turn pulls or misses — never worse
+    prev, cur = recorder.of("lc-stream")[-2:]
+    assert cur.token_ids[: len(prev.token_ids)] == prev.token_ids
+    assert cur.receipt.decision in ("pull", "miss"), cur.receipt
     assert pd.wrong_kv() == 0
 
 

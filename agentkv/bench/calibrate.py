@@ -1,0 +1,354 @@
+"""``agentkv calibrate``: measure a live P/D deployment and fit the simulator's cost model.
+
+Three kinds of turns go through the router's ``/v1/completions`` with token-id prompts (words
+that are single tokens, fresh for every request so no prefix cache helps):
+
+* **recompute** at ``N`` tokens: a turn without a conversation id (nothing is read back);
+  its time to first token is ``overhead + prefill(N, 0) + transfer(N) [P→D] + decode(1, N)``;
+* **pull** at ``N``: a two-turn conversation; the second turn's prompt repeats what D held
+  (``R`` tokens, the router's ``X-AgentKV-Reused-Tokens``) and adds new ones. Its TTFT is
+  ``overhead + prefill(N − R, R) + transfer(R) [D→P] + transfer(N − L) [P→D] + decode(1, N)``
+  where ``L`` (whole blocks of ``R``) is what D's own prefix cache still has of the first turn;
+* **decode** at ``N``: ``decode_tokens`` tokens (``ignore_eos``) streamed; the time per token
+  after the first is ``decode_s_per_token + decode_s_per_token_ctx × context``.
+
+TTFT is the wall-clock time to the first streamed chunk (``--timing wall``), or the
+simulator's own modelled TTFT header (``--timing model``: exact, for checking the fit; decode
+is still timed by the wall clock). The decode terms come from the decode turns; the other five
+constants of :class:`~agentkv.sim.costmodel.CostModel` are a non-negative least-squares fit of
+the recompute and pull turns. The cost file is JSON: ``{"cost_model": {...}, "measurements":
+[...], ...}``, which ``agentkv sim --costs`` and ``agentkv plan --costs`` read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import math
+import random
+import statistics
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+
+from agentkv.bench.content import WORDS
+from agentkv.protocol import (
+    HEADER_CONVERSATION_ID,
+    HEADER_REUSED_TOKENS,
+    HEADER_SIM_MODEL_TTFT_MS,
+)
+from agentkv.sim.costmodel import CostModel
+
+__all__ = [
+    "CalibrationError",
+    "Measurement",
+    "fit_cost_model",
+    "measure",
+    "measure_curve",
+    "nnls",
+    "write_cost_file",
+]
+
+Timing = Literal["wall", "model"]
+
+
+class CalibrationError(RuntimeError):
+    """The deployment did not answer as a P/D deployment behind agentkv's router should."""
+
+
+@dataclass(frozen=True)
+class Measurement:
+    kind: Literal["recompute", "pull", "decode"]
+    prompt_tokens: int
+    reused_tokens: int
+    seconds: float
+    """TTFT (recompute, pull) or seconds per generated token after the first (decode)."""
+
+
+# -- least squares -----------------------------------------------------------------------------
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting (small, well-scaled systems)."""
+    n = len(b)
+    m = [[*row[:], b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-12:
+            continue
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(n):
+            if r != col and m[r][col]:
+                f = m[r][col] / m[col][col]
+                m[r] = [x - f * y for x, y in zip(m[r], m[col], strict=True)]
+    return [m[i][n] / m[i][i] if abs(m[i][i]) > 1e-12 else 0.0 for i in range(n)]
+
+
+def nnls(rows: Sequence[Sequence[float]], y: Sequence[float]) -> list[float]:
+    """Least squares ``rows · x ≈ y`` with ``x ≥ 0``: columns scaled to unit norm, then the
+    most negative coefficient is fixed at zero and the rest re-solved until none is negative."""
+    k = len(rows[0])
+    norms = [math.sqrt(sum(r[j] ** 2 for r in rows)) or 1.0 for j in range(k)]
+    scaled = [[r[j] / norms[j] for j in range(k)] for r in rows]
+    active = [j for j in range(k) if norms[j] > 0 and any(r[j] for r in rows)]
+    while True:
+        ata = [[sum(r[i] * r[j] for r in scaled) for j in active] for i in active]
+        aty = [sum(r[i] * v for r, v in zip(scaled, y, strict=True)) for i in active]
+        sol = _solve(ata, aty) if active else []
+        worst = min(range(len(active)), key=lambda i: sol[i], default=None)
+        if worst is None or sol[worst] >= 0:
+            break
+        del active[worst]
+    out = [0.0] * k
+    for j, v in zip(active, sol, strict=True):
+        out[j] = v / norms[j]
+    return out
+
+
+def _blocks(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size) if tokens > 0 else 0
+
+
+def _medians(measurements: Sequence[Measurement]) -> list[Measurement]:
+    groups: dict[tuple[str, int, int], list[float]] = {}
+    for m in measurements:
+        groups.setdefault((m.kind, m.prompt_tokens, m.reused_tokens), []).append(m.seconds)
+    return [
+        Measurement(kind, n, r, statistics.median(v))  # type: ignore[arg-type]
+        for (kind, n, r), v in groups.items()
+    ]
+
+
+def fit_cost_model(
+    measurements: Sequence[Measurement], block_size: int, kv_bytes_per_token: int = 0
+) -> CostModel:
+    """The :class:`CostModel` that best explains ``measurements`` (see the module docstring).
+    Repeated measurements of the same turn are reduced to their median first (a loaded machine
+    adds outliers, never negative noise)."""
+    measurements = _medians(measurements)
+    decode = [m for m in measurements if m.kind == "decode"]
+    d1 = dctx = 0.0
+    if len(decode) >= 2 and len({m.prompt_tokens for m in decode}) >= 2:
+        d1, dctx = nnls(
+            [[1.0, float(m.prompt_tokens)] for m in decode], [m.seconds for m in decode]
+        )
+    elif decode:
+        d1 = statistics.fmean(m.seconds for m in decode)
+    rows: list[list[float]] = []
+    y: list[float] = []
+    for m in measurements:
+        n, r = m.prompt_tokens, m.reused_tokens
+        if m.kind == "recompute":
+            rows.append([1.0, n, n * (n + 1) / 2, 1.0, _blocks(n, block_size)])
+        elif m.kind == "pull":
+            new = n - r
+            local = r // block_size * block_size
+            rows.append(
+                [
+                    1.0,
+                    new,
+                    new * r + new * (new + 1) / 2,
+                    (r > 0) + (n - local > 0),
+                    _blocks(r, block_size) + _blocks(n - local, block_size),
+                ]
+            )
+        else:
+            continue
+        y.append(m.seconds - (d1 + dctx * n))
+    if len(rows) < 5:
+        raise CalibrationError("too few recompute and pull turns to fit (need 5 or more)")
+    overhead, p1, p2, tb, tpb = nnls(rows, y)
+    return CostModel(
+        overhead_s=overhead,
+        prefill_s_per_token=p1,
+        prefill_s_per_token_ctx=p2,
+        transfer_s_base=tb,
+        transfer_s_per_block=tpb,
+        block_size=block_size,
+        decode_s_per_token=d1,
+        decode_s_per_token_ctx=dctx,
+        kv_bytes_per_token=kv_bytes_per_token,
+    )
+
+
+# -- measuring ---------------------------------------------------------------------------------
+@dataclass
+class _Client:
+    http: httpx.AsyncClient
+    model: str | None
+    timing: Timing
+    word_ids: list[int]
+    rng: random.Random
+
+    def prompt(self, n: int) -> list[int]:
+        return [self.rng.choice(self.word_ids) for _ in range(n)]
+
+    def body(self, prompt: list[int], **extra: Any) -> dict[str, Any]:
+        body: dict[str, Any] = {"prompt": prompt, **extra}
+        if self.model:
+            body["model"] = self.model
+        return body
+
+    async def ttft(
+        self, prompt: list[int], headers: dict[str, str], **extra: Any
+    ) -> tuple[float, httpx.Headers]:
+        body = self.body(prompt, max_tokens=1, stream=True, **extra)
+        started = time.perf_counter()
+        async with self.http.stream("POST", "completions", json=body, headers=headers) as r:
+            if r.status_code != 200:
+                raise CalibrationError(f"completions answered {r.status_code}: {await r.aread()!r}")
+            first: float | None = None
+            async for line in r.aiter_lines():
+                if first is None and line.startswith("data: ") and line != "data: [DONE]":
+                    first = time.perf_counter() - started
+            if first is None:
+                raise CalibrationError("the stream carried no token")
+            if self.timing == "model":
+                if HEADER_SIM_MODEL_TTFT_MS not in r.headers:
+                    raise CalibrationError(
+                        "--timing model needs agentkv's simulator behind agentkv's router "
+                        f"({HEADER_SIM_MODEL_TTFT_MS} is missing)"
+                    )
+                first = float(r.headers[HEADER_SIM_MODEL_TTFT_MS]) / 1000
+            return first, r.headers
+
+
+async def _word_ids(http: httpx.AsyncClient, model: str | None) -> list[int]:
+    body: dict[str, Any] = {"prompt": " " + " ".join(WORDS), "add_special_tokens": False}
+    if model:
+        body["model"] = model
+    r = await http.post("../tokenize", json=body)
+    if r.status_code != 200:
+        raise CalibrationError(f"/tokenize answered {r.status_code}: {r.text[:200]}")
+    ids = [int(t) for t in r.json()["tokens"]]
+    if len(ids) < 64:
+        raise CalibrationError("/tokenize returned too few ids")
+    return ids
+
+
+async def _recompute(c: _Client, n: int) -> Measurement:
+    seconds, _ = await c.ttft(c.prompt(n), {}, cache_salt=uuid.uuid4().hex)
+    return Measurement("recompute", n, 0, seconds)
+
+
+async def _pull(c: _Client, n: int, reused: int) -> Measurement:
+    """Turn 1: ``reused`` tokens and one generated (D holds ``reused``); turn 2: those, the
+    generated token and new ones, ``n`` in all."""
+    conv = f"calibrate-{uuid.uuid4().hex}"
+    headers = {HEADER_CONVERSATION_ID: conv}
+    salt = uuid.uuid4().hex
+    first = c.prompt(max(1, min(reused, n - 2)))
+    body = c.body(first, max_tokens=1, ignore_eos=True, return_token_ids=True, cache_salt=salt)
+    r = await c.http.post("completions", json=body, headers=headers)
+    if r.status_code != 200:
+        raise CalibrationError(f"completions answered {r.status_code}: {r.text[:200]}")
+    out = list(r.json()["choices"][0].get("token_ids") or [])
+    if not out:
+        raise CalibrationError("the router returned no token ids (return_token_ids)")
+    second = first + out + c.prompt(n - len(first) - len(out))
+    seconds, h = await c.ttft(second, headers, cache_salt=salt)
+    reused = int(h.get(HEADER_REUSED_TOKENS) or 0)
+    if reused <= 0:
+        raise CalibrationError(
+            f"the second turn read nothing back (decision {h.get('x-agentkv-decision')!r}): "
+            "calibrate needs agentkv's router in front of bidirectional P/D"
+        )
+    return Measurement("pull", len(second), reused, seconds)
+
+
+async def _decode(c: _Client, n: int, tokens: int) -> Measurement:
+    body = c.body(
+        c.prompt(n), max_tokens=tokens, ignore_eos=True, stream=True, cache_salt=uuid.uuid4().hex
+    )
+    times: list[float] = []
+    async with c.http.stream("POST", "completions", json=body) as r:
+        if r.status_code != 200:
+            raise CalibrationError(f"completions answered {r.status_code}: {await r.aread()!r}")
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                for choice in chunk.get("choices") or []:
+                    if choice.get("text") or choice.get("token_ids"):
+                        times.append(time.perf_counter())
+    if len(times) < 3:
+        raise CalibrationError("the decode stream carried fewer than 3 tokens")
+    # the last token arrives with the end of the request: use the steps between the others
+    steps = [b - a for a, b in itertools.pairwise(times)]
+    return Measurement("decode", n + tokens // 2, 0, statistics.median(steps))
+
+
+async def measure(
+    endpoint: str,
+    *,
+    contexts: Sequence[int] = (512, 1024, 2048, 4096, 8192),
+    repeats: int = 3,
+    new_tokens: int = 64,
+    decode_tokens: int = 24,
+    model: str | None = None,
+    timing: Timing = "wall",
+    seed: int = 0,
+    on_step: Callable[[str], None] | None = None,
+) -> list[Measurement]:
+    """Run the calibration turns against the router at ``endpoint`` (its ``/v1`` base URL)."""
+    base = endpoint.rstrip("/") + "/"
+    notify = on_step or (lambda _s: None)
+    async with httpx.AsyncClient(base_url=base, timeout=600, trust_env=False) as http:
+        if model is None:
+            r = await http.get("models")
+            if r.status_code == 200 and r.json().get("data"):
+                model = str(r.json()["data"][0]["id"])
+        c = _Client(http, model, timing, await _word_ids(http, model), random.Random(seed))
+        out: list[Measurement] = []
+        for n in contexts:
+            for _ in range(repeats):
+                notify(f"recompute {n}")
+                out.append(await _recompute(c, n))
+                notify(f"pull {n}")
+                out.append(await _pull(c, n, n - 1 - min(new_tokens, max(1, n // 4))))
+                notify(f"decode {n}")
+                out.append(await _decode(c, n, decode_tokens))
+        return out
+
+
+async def measure_curve(
+    endpoint: str, sizes: Sequence[int], *, model: str | None = None, seed: int = 0
+) -> list[tuple[int, float, float]]:
+    """(prompt tokens, recompute TTFT s, reuse TTFT s) per size, from the simulator's modelled
+    TTFT: the published benchmark's two scenarios, "recompute" (the whole prompt prefilled) and
+    "reuse" (all but the last 10 % pulled back from D), as real P/D turns through the router."""
+    from agentkv.sim.costmodel import reused_tokens_for
+
+    base = endpoint.rstrip("/") + "/"
+    out: list[tuple[int, float, float]] = []
+    async with httpx.AsyncClient(base_url=base, timeout=600, trust_env=False) as http:
+        c = _Client(http, model, "model", await _word_ids(http, model), random.Random(seed))
+        for n in sizes:
+            recompute = await _recompute(c, n)
+            reused = reused_tokens_for(n)
+            pull = await _pull(c, n, reused)
+            if pull.reused_tokens != reused:
+                raise CalibrationError(
+                    f"reuse at {n} tokens read {pull.reused_tokens} tokens, not {reused}"
+                )
+            out.append((n, recompute.seconds, pull.seconds))
+    return out
+
+
+def run_measure(endpoint: str, **kwargs: Any) -> list[Measurement]:
+    return asyncio.run(measure(endpoint, **kwargs))
+
+
+def write_cost_file(
+    path: Path, model: CostModel, measurements: Sequence[Measurement], **meta: Any
+) -> None:
+    """The cost file ``agentkv sim --costs`` and ``agentkv plan --costs`` read."""
+    data = {
+        "cost_model": model.model_dump(),
+        **meta,
+        "measurements": [asdict(m) for m in measurements],
+    }
+    path.write_text(json.dumps(data, indent=2) + "\n")

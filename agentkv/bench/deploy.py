@@ -1,0 +1,223 @@
+"""A deployment for benchmarks: a launch profile on free ports, its TTLs on a compressed clock,
+and a second router with the unverified policy on the same engines.
+
+Replaying a trace ``time_scale`` times faster than it happened needs the retention clock
+compressed the same way, so that a gap decides reuse exactly as it would at full speed:
+
+* the router's TTL (where it decides ``expired``) becomes ``(D TTL − margin) × time_scale``;
+* D's TTL becomes that plus ``max(margin × time_scale, 6 s)``: prefill declines reads within
+  5 s of D's expiry on its own (unscaled) clock, so the real margin must stay above 5 s. D may
+  therefore hold an expired handle's blocks a little longer than the scaled TTL; the report's
+  retained block-seconds are modelled from the trace's gaps at full speed instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+__all__ = ["CHATML_TEMPLATE", "P_MARGIN_FLOOR_S", "Stack", "compressed_ttls", "local_stack"]
+
+CHATML_TEMPLATE = Path(__file__).with_name("chatml.jinja")
+"""Plain ChatML: re-rendered history is token-identical to the exact history (Qwen3's own
+template drops earlier answers' think blocks when it re-renders, so every rewrite would differ
+from the first answer on)."""
+
+_ROUTER = (sys.executable, "-m", "agentkv", "router")
+
+P_MARGIN_FLOOR_S = 6.0
+"""Smallest real margin between the router's TTL and D's: P's 5 s expiry margin + 1 s."""
+
+
+@dataclass(frozen=True)
+class Stack:
+    """What a replay talks to."""
+
+    base_url: str
+    """The verified router's OpenAI base URL (``…/v1``)."""
+    unverified_url: str | None
+    """A router with ``reuse_policy = "unverified"`` on the same engines, when started."""
+    prefill_urls: tuple[str, ...]
+    decode_urls: tuple[str, ...]
+    model: str
+    block_size: int
+    time_scale: float
+    router_ttl_s: float
+    """Trace seconds: gaps at least this long find the handle expired."""
+    decoder_ttl_s: float
+    """Trace seconds: D's ``decoder_kv_blocks_ttl`` at full speed."""
+    decoder_ttl_real_s: float
+    """Real seconds D holds a finished turn's blocks in this deployment."""
+    profile: str
+    description: str
+    kv_recompute_threshold: int
+    prefill_prefix_caching: bool
+
+    @property
+    def engine_urls(self) -> tuple[str, ...]:
+        return self.prefill_urls + self.decode_urls
+
+
+def compressed_ttls(
+    decoder_ttl_s: float, margin_s: float, time_scale: float
+) -> tuple[int, float, float]:
+    """(D's TTL, router margin, router TTL) in real seconds for a replay ``time_scale`` times
+    real time (see the module docstring); D's TTL is whole seconds, as vLLM takes it."""
+    router_ttl = (decoder_ttl_s - margin_s) * time_scale
+    decoder = math.ceil(router_ttl + max(margin_s * time_scale, P_MARGIN_FLOOR_S))
+    return decoder, decoder - router_ttl, router_ttl
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_range(count: int, taken: set[int]) -> int:
+    """A base port with ``count`` free ports after it."""
+    for _ in range(200):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            base: int = s.getsockname()[1]
+        ports = range(base, base + count)
+        if base + count < 65535 and not taken & set(ports) and all(map(_port_free, ports)):
+            taken.update(ports)
+            return base
+    raise RuntimeError("no free port range on 127.0.0.1")
+
+
+def _wait_health(url: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(trust_env=False) as client:
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"{url}: the process exited with {proc.returncode}")
+            with contextlib.suppress(httpx.HTTPError):
+                if client.get(f"{url}/health", timeout=2.0).status_code == 200:
+                    return
+            time.sleep(0.2)
+    raise TimeoutError(f"{url} not healthy after {timeout_s:.0f}s")
+
+
+@contextlib.contextmanager
+def start_router(config: dict[str, Any], *, timeout_s: float = 60.0) -> Iterator[str]:
+    """Run ``agentkv router`` with ``config`` on a free port; yields its root URL."""
+    port = _free_range(1, set())
+    with tempfile.TemporaryDirectory(prefix="agentkv-bench-") as tmp:
+        path = Path(tmp, "router.json")
+        path.write_text(json.dumps({**config, "port": port}))
+        proc = subprocess.Popen(
+            [*_ROUTER, "--config", str(path), "--port", str(port), "--log-level", "warning"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            _wait_health(url, timeout_s, proc)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@contextlib.contextmanager
+def local_stack(
+    profile: str,
+    *,
+    time_scale: float = 1.0,
+    preset: str | None = None,
+    costs: str | None = None,
+    num_blocks: int | None = None,
+    template: str | None = str(CHATML_TEMPLATE),
+    decode_prefix_caching: bool | None = None,
+    unverified: bool = True,
+    startup_timeout_s: float = 180.0,
+) -> Iterator[Stack]:
+    """Start ``profile`` (a built-in name or TOML file) for a replay: free ports, TTLs
+    compressed by ``time_scale``, simulator delays scaled by it too, the simulator's template
+    ``template`` unless the profile names one, and (``unverified``) a second router with vLLM's
+    example-proxy policy on the same engines."""
+    from agentkv.serve import expand, load_profile
+    from agentkv.serve.profiles import Profile
+    from agentkv.serve.supervisor import Supervisor
+
+    if time_scale <= 0:
+        raise ValueError("time_scale must be positive")
+    base = load_profile(profile)
+    data = base.model_dump()
+    d_ttl, margin, _ = compressed_ttls(
+        base.decoder_kv_blocks_ttl_s, base.router.ttl_margin_s, time_scale
+    )
+    data["decoder_kv_blocks_ttl_s"] = d_ttl
+    if decode_prefix_caching is not None:
+        data["decode"]["prefix_caching"] = decode_prefix_caching
+    data["router"]["ttl_margin_s"] = margin
+    taken: set[int] = set()
+    data["router"]["port"] = _free_range(1, taken)
+    for role in ("prefill", "decode"):
+        count = int(data[role]["count"])
+        data[role]["base_port"] = _free_range(count, taken)
+        data[role]["side_channel_base_port"] = _free_range(count, taken)
+    if base.engine == "sim":
+        sim = dict(data.get("sim") or {})
+        sim["time_scale"] = time_scale
+        if preset is not None:
+            sim["preset"] = preset
+        if num_blocks is not None:
+            sim["num_blocks"] = num_blocks
+        if template is not None and not sim.get("template"):
+            sim["template"] = template
+        data["sim"] = sim
+        if costs is not None:
+            data["extra_args"] = [*data.get("extra_args", []), "--costs", str(Path(costs))]
+    prof = Profile.model_validate(data)
+    deployment = expand(prof)
+    with Supervisor(deployment, console=None, startup_timeout_s=startup_timeout_s) as _:
+        urls = {
+            role: tuple(
+                p.health_url.removesuffix("/health") for p in deployment.processes if p.role == role
+            )
+            for role in ("prefill", "decode")
+        }
+        with contextlib.ExitStack() as stack:
+            unverified_url = None
+            if unverified:
+                config = dict(deployment.router_config, reuse_policy="unverified")
+                unverified_url = stack.enter_context(start_router(config)) + "/v1"
+            yield Stack(
+                base_url=deployment.base_url,
+                unverified_url=unverified_url,
+                prefill_urls=urls["prefill"],
+                decode_urls=urls["decode"],
+                model=prof.served_model_name,
+                block_size=prof.block_size,
+                time_scale=time_scale,
+                router_ttl_s=base.decoder_kv_blocks_ttl_s - base.router.ttl_margin_s,
+                decoder_ttl_s=float(base.decoder_kv_blocks_ttl_s),
+                decoder_ttl_real_s=float(d_ttl),
+                profile=base.name,
+                description=base.description,
+                kv_recompute_threshold=prof.kv_recompute_threshold,
+                prefill_prefix_caching=prof.prefill.prefix_caching,
+            )

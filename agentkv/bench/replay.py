@@ -1,0 +1,396 @@
+"""Replay scripted sessions through the SDK against a router, one policy at a time.
+
+Each session runs as an :class:`agentkv.AsyncConversation` in exact mode: messages are added,
+stripped and rewritten as the script says (:mod:`agentkv.bench.content`), every turn streams
+(the wall-clock TTFT is the first token's arrival) and its receipt gives the router's decision
+and the tokens prefill did not compute. The simulator's receipt headers (modelled TTFT,
+wrong-KV tokens), which the router forwards, are read with an ``httpx`` response hook.
+
+Policies:
+
+* ``agentkv``: one conversation id and epoch per session, verified reuse (agentkv's router);
+* ``unverified``: the same requests to a router with ``reuse_policy = "unverified"`` (vLLM's
+  example proxy: the conversation's handle is attached whatever the prompt);
+* ``none``: no reuse, the published baseline: a fresh conversation id every turn, released
+  right after the turn (``close()``), so nothing is read back and D holds nothing between turns.
+
+Every turn's **ideal** reuse is computed on the wire: the longest common prefix of the new
+prompt and what D holds from the previous turn (its prompt and output but the last token), all
+of it when the prompt repeats all of it, else cut to whole blocks, never the last prompt token;
+and only when the trace's gap is within the router's TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import httpx
+
+from agentkv.bench.content import ScriptedTurn
+from agentkv.protocol import (
+    HEADER_CONVERSATION_ID,
+    HEADER_SIM_MODEL_TTFT_MS,
+    HEADER_SIM_WRONG_KV_TOKENS,
+    Metric,
+)
+
+__all__ = [
+    "POLICIES",
+    "Policy",
+    "ReplaySettings",
+    "SessionScript",
+    "TurnRecord",
+    "ideal_tokens",
+    "modelled_retention",
+    "replay_policy",
+    "scrape",
+    "summarize_errors",
+    "wait_drained",
+]
+
+Policy = Literal["none", "unverified", "agentkv"]
+POLICIES: tuple[Policy, ...] = ("none", "unverified", "agentkv")
+
+
+@dataclass(frozen=True)
+class SessionScript:
+    """One session to replay."""
+
+    id: str
+    turns: Sequence[ScriptedTurn]
+    start_s: float = 0.0
+    """Trace seconds after the run's start before the session may begin (Mooncake)."""
+    next_gap_s: float | None = None
+    """The trace's gap after the last replayed turn when the session was cut short (None: the
+    session ends there)."""
+
+
+@dataclass(frozen=True)
+class ReplaySettings:
+    """How to replay (times are trace seconds unless named ``_real``)."""
+
+    model: str
+    block_size: int = 16
+    time_scale: float = 1.0
+    """Real seconds per trace second for the gaps."""
+    router_ttl_s: float = 450.0
+    decoder_ttl_s: float = 480.0
+    gap_cap_real_s: float | None = None
+    """Longer real gaps are shortened to this (the handle has expired either way)."""
+    concurrency: int = 8
+    honor_starts: bool = False
+    """Start sessions at their trace start times (scaled), not as soon as a slot is free."""
+    request_timeout_s: float = 600.0
+    extra_output_tokens: int = 16
+    """``max_tokens`` = the scripted answer's words + this (template tags, end of turn)."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=lambda: {"enable_thinking": False})
+    """Thinking off: an answer is its content only, so a re-rendered history (after a strip or
+    rewrite) is token-identical to the exact one up to the change; scripted reasoning is still
+    written as a think block, which the strip removes."""
+
+
+@dataclass
+class TurnRecord:
+    """One turn of one session under one policy (a row of the CSV)."""
+
+    policy: str
+    session: str
+    turn: int
+    kind: str
+    gap_trace_s: float
+    gap_real_s: float
+    within_ttl: bool
+    trace_input_tokens: int
+    trace_output_tokens: int
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    held_tokens: int = 0
+    """Tokens D held from the previous turn."""
+    ideal_tokens: int = 0
+    """What a verifying router could let prefill read (0 when the gap is beyond the TTL)."""
+    lcp_tokens: int = 0
+    """Common prefix of the prompt and what D held, whatever the gap."""
+    decision: str = ""
+    router_reused_tokens: int = 0
+    """``X-AgentKV-Reused-Tokens``: what the router attached."""
+    reused_tokens: int = 0
+    """Prompt tokens prefill did not compute (``usage.prompt_tokens_details.cached_tokens``)."""
+    recomputed_tokens: int = 0
+    wrong_kv_tokens: int | None = None
+    model_ttft_ms: float | None = None
+    wall_ttft_ms: float | None = None
+    latency_ms: float = 0.0
+    expired: bool = False
+    """The previous turn's handle had expired (``expired``, or ``miss``: the router's store
+    had dropped it at its TTL)."""
+    retained_blocks: int = 0
+    """Blocks D holds after this turn for the next one."""
+    retained_block_s: float = 0.0
+    """Blocks × trace seconds D holds them (modelled from the gaps, see ``modelled_retention``)."""
+    held_to_ttl: bool = False
+    """D held them until its TTL: the next turn came too late, or never."""
+    started_s: float = 0.0
+    """Real seconds since the policy's run began."""
+    error: str | None = None
+
+    @property
+    def useful_reuse(self) -> int:
+        """Reused tokens that ran on the right KV, capped by the ideal."""
+        wrong = self.wrong_kv_tokens or 0
+        return max(0, min(self.ideal_tokens, self.reused_tokens - wrong))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def ideal_tokens(prompt: Sequence[int], held: Sequence[int], block_size: int) -> tuple[int, int]:
+    """(ideal reuse, common prefix) of ``prompt`` against what D holds."""
+    n = 0
+    for a, b in zip(prompt, held, strict=False):
+        if a != b:
+            break
+        n += 1
+    ideal = n if n == len(held) else n // block_size * block_size
+    return max(0, min(ideal, len(prompt) - 1)), n
+
+
+def modelled_retention(
+    records: list[TurnRecord], settings: ReplaySettings, next_gap_s: float | None = None
+) -> None:
+    """Fill ``retained_block_s`` of one session's records (in order): D holds a turn's blocks
+    until the next turn reads or releases them (its trace gap), or for its whole TTL when the
+    next turn comes too late or never (``next_gap_s``: the gap after the last record, when the
+    session was cut short). The ``none`` policy releases them at once."""
+    for i, rec in enumerate(records):
+        if rec.policy == "none" or rec.error:
+            rec.retained_block_s = 0.0
+            continue
+        nxt = records[i + 1] if i + 1 < len(records) else None
+        if nxt is not None and not nxt.error and nxt.gap_trace_s < settings.router_ttl_s:
+            hold = nxt.gap_trace_s
+        elif nxt is None and next_gap_s is not None and next_gap_s < settings.router_ttl_s:
+            hold = next_gap_s
+        else:
+            hold = settings.decoder_ttl_s
+            rec.held_to_ttl = True
+        rec.retained_block_s = rec.retained_blocks * hold
+
+
+@dataclass
+class _Capture:
+    """Response headers of each conversation's last chat request."""
+
+    headers: dict[str, dict[str, str]] = field(default_factory=dict)
+    sent: dict[str, float] = field(default_factory=dict)
+    """When each conversation's last chat request left (``perf_counter``)."""
+
+    async def on_request(self, request: httpx.Request) -> None:
+        if request.url.path.endswith("/chat/completions"):
+            conv = request.headers.get(HEADER_CONVERSATION_ID)
+            if conv:
+                self.sent[conv] = time.perf_counter()
+
+    async def hook(self, response: httpx.Response) -> None:
+        if response.request.url.path.endswith("/chat/completions"):
+            conv = response.request.headers.get(HEADER_CONVERSATION_ID)
+            if conv:
+                self.headers[conv] = {k.lower(): v for k, v in response.headers.items()}
+
+
+def _real_gap(turn: ScriptedTurn, settings: ReplaySettings) -> float:
+    gap = turn.gap_s * settings.time_scale
+    if settings.gap_cap_real_s is not None:
+        gap = min(gap, settings.gap_cap_real_s)
+    return gap
+
+
+async def _run_session(
+    client: Any,
+    capture: _Capture,
+    script: SessionScript,
+    policy: Policy,
+    settings: ReplaySettings,
+    salt: str,
+    t0: float,
+    on_turn: Callable[[TurnRecord], None],
+) -> list[TurnRecord]:
+    records: list[TurnRecord] = []
+    base_id = f"bench-{policy}-{script.id}-{uuid.uuid4().hex[:8]}"
+    conv = client.conversation(
+        base_id, model=settings.model, chat_template_kwargs=settings.chat_template_kwargs
+    )
+    held: list[int] = []
+    answered = time.perf_counter()  # when the previous answer ended
+    render_s = 0.0  # how long the SDK took from create() to sending, last turn
+    for turn in script.turns:
+        gap_real = _real_gap(turn, settings) if turn.index else 0.0
+        rec = TurnRecord(
+            policy=policy,
+            session=script.id,
+            turn=turn.index,
+            kind=turn.kind,
+            gap_trace_s=turn.gap_s,
+            gap_real_s=gap_real,
+            within_ttl=turn.index > 0 and turn.gap_s < settings.router_ttl_s,
+            trace_input_tokens=turn.trace.input_tokens,
+            trace_output_tokens=turn.trace.output_tokens,
+        )
+        # the request should reach the router `gap_real` after the previous answer ended
+        wait = answered + gap_real - render_s - time.perf_counter()
+        if turn.index and wait > 0:
+            await asyncio.sleep(wait)
+        if turn.keep is not None:
+            kept = conv.messages[: turn.keep]
+            conv.rewrite([*kept, *({"role": m.role, "content": m.content} for m in turn.add)])
+        else:
+            if turn.strip:
+                conv.strip_reasoning()
+            for m in turn.add:
+                conv.add({"role": m.role, "content": m.content})
+        if policy == "none":
+            conv = client.resume({**conv.to_state(), "id": f"{base_id}-t{turn.index}"})
+        rec.started_s = time.perf_counter() - t0
+        started = time.perf_counter()
+        capture.sent.pop(conv.id, None)
+        try:
+            stream = await conv.create(
+                stream=True,
+                max_tokens=turn.output_tokens + settings.extra_output_tokens,
+                extra_body={"agentkv_sim": turn.sim_script, "cache_salt": salt},
+            )
+            async for chunk in stream:
+                if rec.wall_ttft_ms is None and chunk.choices:
+                    delta = chunk.choices[0].delta
+                    extra = delta.model_extra or {}
+                    if delta.content or extra.get("reasoning") or extra.get("reasoning_content"):
+                        rec.wall_ttft_ms = (time.perf_counter() - started) * 1000
+            receipt = stream.receipt
+            answered = time.perf_counter()
+            render_s = max(0.0, capture.sent.get(conv.id, started) - started)
+        except Exception as exc:  # recorded; the session stops here
+            rec.error = f"{type(exc).__name__}: {exc}"[:300]
+            records.append(rec)
+            on_turn(rec)
+            break
+        rec.latency_ms = (time.perf_counter() - started) * 1000
+        assert receipt is not None
+        ids = list(conv.token_ids or [])
+        prompt = ids[: len(ids) - receipt.completion_tokens]
+        rec.prompt_tokens = len(prompt)
+        rec.output_tokens = receipt.completion_tokens
+        rec.held_tokens = len(held)
+        ideal, lcp = ideal_tokens(prompt, held, settings.block_size) if held else (0, 0)
+        rec.lcp_tokens = lcp
+        rec.ideal_tokens = ideal if rec.within_ttl else 0
+        rec.decision = receipt.decision or ""
+        # past the router's TTL the store has dropped the handle (``miss``) or is about to
+        rec.expired = policy != "none" and turn.index > 0 and rec.decision in ("expired", "miss")
+        rec.router_reused_tokens = receipt.reused_tokens or 0
+        rec.reused_tokens = receipt.cached_tokens or 0
+        rec.recomputed_tokens = rec.prompt_tokens - rec.reused_tokens
+        headers = capture.headers.pop(conv.id, {})
+        if HEADER_SIM_WRONG_KV_TOKENS.lower() in headers:
+            rec.wrong_kv_tokens = int(headers[HEADER_SIM_WRONG_KV_TOKENS.lower()])
+        if HEADER_SIM_MODEL_TTFT_MS.lower() in headers:
+            rec.model_ttft_ms = float(headers[HEADER_SIM_MODEL_TTFT_MS.lower()])
+        held = ids[:-1]
+        rec.retained_blocks = math.ceil(len(held) / settings.block_size)
+        if policy == "none":
+            await conv.close()
+        records.append(rec)
+        on_turn(rec)
+    if policy != "none":
+        with contextlib.suppress(Exception):
+            await conv.close()  # the modelled retention still counts the tail (D's TTL)
+    complete = len(records) == len(script.turns) and not any(r.error for r in records)
+    modelled_retention(records, settings, script.next_gap_s if complete else None)
+    return records
+
+
+async def replay_policy(
+    scripts: Sequence[SessionScript],
+    base_url: str,
+    policy: Policy,
+    settings: ReplaySettings,
+    *,
+    api_key: str = "agentkv-bench",
+    on_turn: Callable[[TurnRecord], None] | None = None,
+) -> list[TurnRecord]:
+    """Replay every session under ``policy`` against the router at ``base_url``; at most
+    ``settings.concurrency`` sessions at once. A per-run ``cache_salt`` keeps runs from
+    finding each other's blocks in the engines' prefix caches."""
+    import agentkv
+
+    capture = _Capture()
+    http = httpx.AsyncClient(
+        event_hooks={"request": [capture.on_request], "response": [capture.hook]},
+        timeout=settings.request_timeout_s,
+        trust_env=False,
+        limits=httpx.Limits(max_connections=max(16, 2 * settings.concurrency)),
+    )
+    salt = f"bench-{policy}-{uuid.uuid4().hex[:12]}"
+    gate = asyncio.Semaphore(max(1, settings.concurrency))
+    t0 = time.perf_counter()
+    notify = on_turn or (lambda _r: None)
+    async with agentkv.AsyncClient(base_url=base_url, api_key=api_key, http_client=http) as client:
+
+        async def one(script: SessionScript) -> list[TurnRecord]:
+            if settings.honor_starts and script.start_s > 0:
+                wait = script.start_s * settings.time_scale - (time.perf_counter() - t0)
+                if wait > 0:
+                    await asyncio.sleep(wait)
+            async with gate:
+                return await _run_session(
+                    client, capture, script, policy, settings, salt, t0, notify
+                )
+
+        results = await asyncio.gather(*(one(s) for s in scripts))
+    return [r for session in results for r in session]
+
+
+async def wait_drained(decode_urls: Sequence[str], timeout_s: float) -> bool:
+    """Wait until no decode instance retains blocks for a next turn."""
+    from agentkv.promtext import parse_metrics
+
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(trust_env=False, timeout=5) as client:
+        while True:
+            total = 0.0
+            for url in decode_urls:
+                with contextlib.suppress(httpx.HTTPError):
+                    text = (await client.get(f"{url}/metrics")).text
+                    total += parse_metrics(text).get(Metric.SIM_RETAINED_BLOCKS, 0.0)
+            if total == 0:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.25)
+
+
+async def scrape(urls: Sequence[str], names: Sequence[str]) -> dict[str, float]:
+    """Sum of each metric over ``urls`` (missing: 0)."""
+    from agentkv.promtext import parse_metrics
+
+    out = dict.fromkeys(names, 0.0)
+    async with httpx.AsyncClient(trust_env=False, timeout=5) as client:
+        for url in urls:
+            with contextlib.suppress(httpx.HTTPError):
+                parsed = parse_metrics((await client.get(f"{url}/metrics")).text)
+                for name in names:
+                    out[name] += parsed.get(name, 0.0)
+    return out
+
+
+def summarize_errors(records: Sequence[TurnRecord]) -> Mapping[str, int]:
+    out: dict[str, int] = {}
+    for r in records:
+        if r.error:
+            out[r.error.split(":", 1)[0]] = out.get(r.error.split(":", 1)[0], 0) + 1
+    return out

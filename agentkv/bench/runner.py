@@ -1,0 +1,386 @@
+"""``agentkv bench replay``: pick sessions, script them, run each policy, write the report."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import platform
+import shlex
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from agentkv.bench.content import script_session
+from agentkv.bench.replay import (
+    Policy,
+    ReplaySettings,
+    SessionScript,
+    TurnRecord,
+    replay_policy,
+    scrape,
+    wait_drained,
+)
+from agentkv.bench.report import (
+    PolicySummary,
+    policy_name,
+    summarize,
+    write_csv,
+    write_json,
+)
+from agentkv.bench.traces import Session, TraceFormat, detect_format, iter_claude_code, load_trace
+from agentkv.protocol import Metric
+
+__all__ = ["ReplayOutcome", "ReplayRun", "render_markdown", "run", "select_sessions"]
+
+_RETAINED = f"{Metric.SIM_RETAINED_BLOCK_SECONDS}_total"
+_WRONG = f"{Metric.SIM_WRONG_KV_TOKENS}_total"
+_EXPIRED = f"{Metric.NIXL_NUM_KV_EXPIRED_REQS}_total"
+_MEASURED = (_RETAINED, _WRONG, _EXPIRED)
+
+
+async def _counters(run: ReplayRun) -> dict[str, float]:
+    """The simulator counters the report shows, per role."""
+    prefill = [u for u in run.engine_urls if u not in run.decode_urls]
+    p = await scrape(prefill, _MEASURED)
+    d = await scrape(run.decode_urls, _MEASURED)
+    return {
+        "retained_block_s_decode": d[_RETAINED],
+        "wrong_kv_tokens_prefill": p[_WRONG],
+        "wrong_kv_tokens_decode": d[_WRONG],
+        "expired_decode": d[_EXPIRED],
+    }
+
+
+@dataclass
+class ReplayRun:
+    """Everything one ``bench replay`` needs besides the sessions."""
+
+    targets: dict[Policy, str]
+    """Router base URL (``…/v1``) per policy, in the order to run them."""
+    settings: ReplaySettings
+    decode_urls: tuple[str, ...] = ()
+    """Decode instances to scrape (simulator counters) and to wait for between policies."""
+    engine_urls: tuple[str, ...] = ()
+    drain_timeout_s: float = 0.0
+    setup: dict[str, Any] = field(default_factory=dict)
+    """Described in the report (profile, TTLs, preset, …)."""
+
+
+@dataclass
+class ReplayOutcome:
+    records: list[TurnRecord]
+    summaries: dict[str, PolicySummary]
+    meta: dict[str, Any]
+    files: list[Path]
+
+
+def select_sessions(
+    sessions: Iterable[Session],
+    *,
+    count: int | None,
+    token_scale: float,
+    max_turns: int | None,
+    max_context: int | None,
+    min_turns: int = 2,
+    skip: int = 0,
+) -> list[Session]:
+    """The first ``count`` sessions (after ``skip``) with at least ``min_turns`` turns whose
+    prompts, cut to ``max_turns`` and scaled, stay within ``max_context`` tokens."""
+    out: list[Session] = []
+    seen = 0
+    for session in sessions:
+        if count is not None and len(out) >= count:
+            break
+        cut = session.truncated(max_turns) if max_turns else session
+        if len(cut.turns) < min_turns:
+            continue
+        scale = token_scale if cut.block_size else 1.0
+        if max_context is not None and cut.max_input_tokens * scale > max_context:
+            continue
+        seen += 1
+        if seen <= skip:
+            continue
+        out.append(cut)
+    return out
+
+
+def load_sessions(
+    path: str | Path, fmt: TraceFormat | None, *, include_subagents: bool = False
+) -> Iterable[Session]:
+    """Sessions of a trace, streamed for Claude Code files (441 MB uncompressed)."""
+    fmt = fmt or detect_format(path)
+    if fmt == "claude-code":
+        return iter_claude_code(path, include_subagents=include_subagents)
+    return load_trace(path, format=fmt)
+
+
+def _machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    with_cpuinfo = Path("/proc/cpuinfo")
+    if with_cpuinfo.exists():
+        for line in with_cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return f"{os.cpu_count()} × {cpu}, Python {platform.python_version()}"
+
+
+async def _run_all(
+    scripts: Sequence[SessionScript], run: ReplayRun, progress: bool
+) -> tuple[list[TurnRecord], dict[str, dict[str, float]]]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    total = sum(len(s.turns) for s in scripts)
+    records: list[TurnRecord] = []
+    measured: dict[str, dict[str, float]] = {}
+    bar = Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        disable=not progress,
+        transient=False,
+    )
+    with bar:
+        tasks = {p: bar.add_task(policy_name(p), total=total) for p in run.targets}
+        for policy, url in run.targets.items():
+            before = await _counters(run) if run.decode_urls else {}
+            task = tasks[policy]
+
+            def advance(_r: TurnRecord, task: Any = task) -> None:
+                bar.advance(task)
+
+            records += await replay_policy(scripts, url, policy, run.settings, on_turn=advance)
+            if run.decode_urls:
+                drained = await wait_drained(run.decode_urls, run.drain_timeout_s)
+                after = await _counters(run)
+                measured[policy] = {k: v - before.get(k, 0.0) for k, v in after.items()}
+                measured[policy]["drained"] = float(drained)
+    return records, measured
+
+
+def run(
+    sessions: Sequence[Session],
+    run: ReplayRun,
+    *,
+    token_scale: float,
+    out_dir: Path | None,
+    plots: bool = True,
+    progress: bool = True,
+    meta: Mapping[str, Any] | None = None,
+) -> ReplayOutcome:
+    """Replay ``sessions`` under each policy of ``run`` and write the report into ``out_dir``."""
+    scripts = [
+        SessionScript(
+            s.id,
+            script_session(s, token_scale=token_scale),
+            s.start_s,
+            s.meta.get("next_gap_s"),
+        )
+        for s in sessions
+    ]
+    started = datetime.now(timezone.utc)
+    records, measured = asyncio.run(_run_all(scripts, run, progress))
+    summaries = summarize(records, measured)
+    info: dict[str, Any] = {
+        "command": "agentkv " + shlex.join(sys.argv[1:]) if sys.argv else "",
+        "date": started.strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": _machine(),
+        "sessions": [s.id for s in sessions],
+        "turns": sum(len(s.turns) for s in scripts),
+        "token_scale": token_scale,
+        "settings": asdict(run.settings),
+        "setup": run.setup,
+        **(meta or {}),
+    }
+    files: list[Path] = []
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_json(out_dir / "turns.json", [r.to_dict() for r in records])
+        write_csv(out_dir / "turns.csv", records)
+        write_json(
+            out_dir / "summary.json",
+            {"meta": info, "policies": {p: s.to_dict() for p, s in summaries.items()}},
+        )
+        files += [out_dir / "turns.json", out_dir / "turns.csv", out_dir / "summary.json"]
+        images: list[Path] = []
+        if plots:
+            from agentkv.bench import plots as figures
+
+            images = [
+                figures.plot_ttft_by_context(records, out_dir / "ttft_by_context.png"),
+                figures.plot_reuse_fraction(summaries, out_dir / "reuse_fraction.png"),
+                figures.plot_retention(summaries, out_dir / "retained_block_seconds.png"),
+            ]
+            files += images
+        report = out_dir / "report.md"
+        report.write_text(render_markdown(info, summaries, [p.name for p in images]))
+        files.append(report)
+    return ReplayOutcome(records, summaries, info, files)
+
+
+def _fmt(value: float | None, digits: int = 1, suffix: str = "") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    return f"{value:,.{digits}f}{suffix}"
+
+
+def summary_rows(summaries: Mapping[str, PolicySummary]) -> list[list[str]]:
+    """The terminal and markdown summary table (header first)."""
+    rows = [
+        [
+            "policy",
+            "turns",
+            "ideal reusable tokens",
+            "read back correctly",
+            "wrong-KV tokens (turns)",
+            "prefill tokens recomputed",
+            "compute saved",
+            "TTFT p50 ms",
+            "TTFT saved / turn",
+            "expired",
+            "retained block-hours",
+        ]
+    ]
+    for policy in ("none", "unverified", "agentkv"):
+        s = summaries.get(policy)
+        if s is None:
+            continue
+        d = s.to_dict()
+        rows.append(
+            [
+                policy_name(policy),
+                f"{s.turns}" + (f" ({s.errors} failed)" if s.errors else ""),
+                f"{s.ideal_tokens:,}",
+                f"{s.useful_reused_tokens:,} ({_fmt(s.captured_pct, 2, '%')})",
+                f"{s.wrong_kv_tokens:,} ({s.wrong_kv_turns})",
+                f"{s.recomputed_tokens:,}",
+                _fmt(s.compute_saved_pct, 1, "%"),
+                _fmt(d["model_ttft_p50_ms"], 1),
+                "–"
+                if s.latency_saved_ms is None
+                else f"{s.latency_saved_ms:,.1f} ms ({_fmt(s.ttft_saved_pct, 1, '%')})",
+                str(s.expired),
+                _fmt(s.retained_block_s / 3600, 2),
+            ]
+        )
+    return rows
+
+
+def _md_table(rows: Sequence[Sequence[str]]) -> str:
+    head, *body = rows
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in body]
+    return "\n".join(lines)
+
+
+def kind_rows(summaries: Mapping[str, PolicySummary]) -> list[list[str]]:
+    rows = [
+        [
+            "policy",
+            "turn kind",
+            "turns (within TTL)",
+            "ideal reusable",
+            "read back correctly",
+            "wrong-KV tokens (turns)",
+        ]
+    ]
+    for policy in ("none", "unverified", "agentkv"):
+        s = summaries.get(policy)
+        if s is None:
+            continue
+        for kind in ("append", "strip", "rewrite"):
+            k = s.by_kind.get(kind)
+            if k is None:
+                continue
+            rows.append(
+                [
+                    policy_name(policy),
+                    kind,
+                    f"{k.turns} ({k.turns_within_ttl})",
+                    f"{k.ideal_tokens:,}",
+                    f"{k.useful_reused_tokens:,} ({_fmt(k.captured_pct, 2, '%')})",
+                    f"{k.wrong_kv_tokens:,} ({k.wrong_kv_turns})",
+                ]
+            )
+    return rows
+
+
+def render_markdown(
+    meta: Mapping[str, Any], summaries: Mapping[str, PolicySummary], images: Sequence[str]
+) -> str:
+    """The report's markdown body (the figures are referenced by file name)."""
+    settings = meta.get("settings", {})
+    setup = meta.get("setup", {})
+    lines = [
+        "# Trace replay",
+        "",
+        f"`{meta.get('command', '')}` — {meta.get('date', '')}, {meta.get('machine', '')}.",
+        "",
+        f"- trace: `{meta.get('trace', '')}` ({meta.get('format', '')}), "
+        f"{len(meta.get('sessions', []))} sessions, {meta.get('turns', 0)} turns per policy; "
+        f"{meta.get('selection', '')}",
+        f"- token counts × {meta.get('token_scale')}; gaps × {settings.get('time_scale')} "
+        f"(gaps longer than {_fmt(settings.get('gap_cap_real_s'), 1)} s real shortened to that: "
+        "the handle has expired either way); at most "
+        f"{settings.get('concurrency')} sessions at once",
+        f"- router TTL {_fmt(settings.get('router_ttl_s'), 0)} s and D TTL "
+        f"{_fmt(settings.get('decoder_ttl_s'), 0)} s in trace time"
+        + (
+            f" (real: {_fmt(setup.get('router_ttl_real_s'), 2)} s and "
+            f"{_fmt(setup.get('decoder_ttl_real_s'), 0)} s)"
+            if setup.get("decoder_ttl_real_s")
+            else ""
+        ),
+    ]
+    for key, value in setup.items():
+        if key not in ("router_ttl_real_s", "decoder_ttl_real_s"):
+            lines.append(f"- {key.replace('_', ' ')}: {value}")
+    lines += ["", "## Summary", "", _md_table(summary_rows(summaries)), ""]
+    lines += [
+        "*Ideal reusable*: for turns whose trace gap is within the router's TTL, the prompt "
+        "tokens D held from the previous turn that a verifying router could let prefill read "
+        "back (all it held when the prompt repeats all of it, else the common prefix in whole "
+        "blocks). *Read back correctly*: prompt tokens prefill did not compute, less those that "
+        "ran on KV of other tokens (the simulator's wrong-KV count), capped at the ideal. "
+        "*Compute saved*: prompt tokens prefill did not compute, of all prompt tokens. *TTFT*: "
+        "the simulator's cost model (`X-AgentKV-Sim-Model-TTFT-Ms`, independent of this "
+        "machine's load); *saved* is against the baseline on the same turns. *Retained "
+        "block-hours*: blocks D holds between turns × how long, modelled at full speed from the "
+        "trace's gaps (until the next turn, or D's TTL when it comes too late or never).",
+        "",
+        "## By turn kind",
+        "",
+        _md_table(kind_rows(summaries)),
+        "",
+    ]
+    measured = {p: s.measured for p, s in summaries.items() if s.measured}
+    if measured:
+        lines += [
+            "## Simulator counters (this run, real seconds)",
+            "",
+            "Read from the engines' `/metrics` before and after each policy (after D freed "
+            "everything it retained). D's block-seconds are on the compressed clock, with each "
+            "session's last handle released when the session ends (`close()`); the modelled "
+            "figures above count it until D's TTL instead.",
+            "",
+            "| policy | D retained block-seconds | wrong-KV tokens on P | wrong-KV tokens on D "
+            "| handles expired on D |",
+            "|---|---|---|---|---|",
+        ]
+        for p, m in measured.items():
+            lines.append(
+                f"| {policy_name(p)} | {m.get('retained_block_s_decode', 0):,.1f} | "
+                f"{m.get('wrong_kv_tokens_prefill', 0):,.0f} | "
+                f"{m.get('wrong_kv_tokens_decode', 0):,.0f} | {m.get('expired_decode', 0):,.0f} |"
+            )
+        lines.append("")
+    if images:
+        lines += ["## Figures", ""]
+        lines += [f"![{name}]({name})" for name in images]
+        lines.append("")
+    return "\n".join(lines) + "\n"
