@@ -86,8 +86,10 @@ def _clean(message: Mapping[str, Any]) -> dict[str, Any]:
     return copy.deepcopy(data)
 
 
-def _norm(message: Mapping[str, Any]) -> tuple[Any, ...]:
-    """What a framework round-trips of a message (it may drop reasoning or re-encode args)."""
+def fingerprint(message: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What a framework round-trips of a message (it may drop reasoning or re-encode args):
+    reasoning dropped, tool-call arguments compared as JSON values, ``<think>`` blocks stripped
+    from assistant text. ``Conversation.sync`` and :mod:`agentkv.pool` compare by it."""
     calls = []
     for call in message.get("tool_calls") or []:
         fn = call.get("function") or {}
@@ -443,8 +445,8 @@ class Ledger:
         self, messages: Sequence[Mapping[str, Any]]
     ) -> Literal["same", "append", "rewrite"]:
         """Whether ``messages`` is the history, extends it, or rewrites it."""
-        mine = [_norm(m) for m in self._messages]
-        theirs = [_norm(_clean(m)) for m in messages]
+        mine = [fingerprint(m) for m in self._messages]
+        theirs = [fingerprint(_clean(m)) for m in messages]
         if theirs[: len(mine)] != mine:
             return "rewrite"
         return "same" if len(theirs) == len(mine) else "append"

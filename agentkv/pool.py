@@ -21,7 +21,6 @@ call lands on; the lanes only decide how much can be reused.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import re
@@ -35,6 +34,7 @@ from typing import Any, Literal, cast
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 import agentkv
+from agentkv._conversation import fingerprint
 
 __all__ = [
     "DEFAULT_BASE_URL",
@@ -88,27 +88,6 @@ class MemoryStateStore(StateStore):
 
     def save(self, key: str, state: Mapping[str, Any]) -> None:
         self.data[key] = json.dumps(state)
-
-
-def fingerprint(message: Mapping[str, Any]) -> tuple[Any, ...]:
-    """What a framework keeps of a message when it sends it back (the same normalisation as
-    ``Conversation.sync``): reasoning dropped, tool-call arguments compared as JSON values,
-    ``<think>`` blocks stripped from assistant text."""
-    calls = []
-    for call in message.get("tool_calls") or []:
-        fn = call.get("function") or {}
-        args = fn.get("arguments")
-        if isinstance(args, str):
-            with contextlib.suppress(ValueError):
-                args = json.loads(args)
-        calls.append((fn.get("name"), json.dumps(args, sort_keys=True)))
-    content = message.get("content")
-    if isinstance(content, list):
-        content = "".join(p.get("text", "") for p in content if isinstance(p, Mapping))
-    content = content or ""
-    if message.get("role") == "assistant" and isinstance(content, str):
-        content = _THINK.sub("", content).strip()
-    return (message.get("role"), content, tuple(calls), message.get("tool_call_id"))
 
 
 def _tools_key(tools: Sequence[Mapping[str, Any]] | None) -> str:
