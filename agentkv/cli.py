@@ -849,18 +849,51 @@ def plan(
     out: Annotated[
         Optional[str], typer.Option(help="Directory for plan.json and plan.png.")  # noqa: UP045
     ] = None,
+    retention: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option(help="Retention policies to compare: fixed,oracle,lease,lease-sweep."),
+    ] = None,
+    retention_ttl: Annotated[
+        str, typer.Option(help="Fixed TTLs (s) of the fixed policy, comma-separated.")
+    ] = "60,450,900,1800",
+    ui_idle_s: Annotated[
+        float, typer.Option(help="Lease: a user wait's agent is dead after this long (s).")
+    ] = 300.0,
+    lease_s: Annotated[
+        float, typer.Option(help="Lease: lapses this long after the agent dies (s).")
+    ] = 30.0,
+    max_hold_s: Annotated[
+        float, typer.Option(help="Lease: D's TTL, the longest any hold lasts (s).")
+    ] = 1800.0,
+    json_out: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option("--json", help="Write the plan and the retention table to this file."),
+    ] = None,
 ) -> None:
     """Recommend decoder_kv_blocks_ttl, the router TTL and kv_recompute_threshold from a trace's
-    gaps and token profile, and say whether a CPU offload tier pays beyond the TTL."""
+    gaps and token profile, and say whether a CPU offload tier pays beyond the TTL;
+    --retention compares KV retention policies (fixed TTLs, an oracle, a liveness lease)."""
     from pathlib import Path
 
     from agentkv.bench.plan import DEFAULT_TTLS, make_plan
+    from agentkv.bench.retention import LeaseParams, retention_report
     from agentkv.bench.traces import TraceError, load_trace
 
     cost, source = _cost_model(costs, preset)
     fmt: Any = trace_format
+    families = [x.strip() for x in (retention or "").split(",") if x.strip()]
+    retained: list[Any] = []
     try:
         loaded = load_trace(trace, format=fmt, limit=sessions)
+        if families:
+            retained = retention_report(
+                loaded,
+                families,
+                fixed_ttls=_floats(retention_ttl, "--retention-ttl") or [],
+                lease=LeaseParams(ui_idle_s, lease_s, max_hold_s),
+                block_size=block_size,
+                horizon_s=offload_horizon,
+            )
         result = make_plan(
             loaded,
             cost,
@@ -939,14 +972,26 @@ def plan(
         f"({off.turns} turns, {off.tokens:,} tokens, {off.ttft_s_saved:,.1f} s of TTFT saved, "
         f"{off.gib_hours:,.1f} GiB-hours of CPU memory)"
     )
+    if retained:
+        _print_retention(retained)
+    data = result.to_dict()
+    data["costs"] = {"source": source, **cost.model_dump()}
+    if families:
+        from agentkv.bench.retention import ASSUMPTIONS
+
+        data["retention"] = [r.to_dict() for r in retained]
+        data["retention_assumptions"] = ASSUMPTIONS
+    if json_out:
+        from agentkv.bench.report import write_json
+
+        write_json(Path(json_out), data)
+        typer.echo(f"wrote {json_out}")
     if out:
         from agentkv.bench import plots
         from agentkv.bench.report import write_json
 
         folder = Path(out)
         folder.mkdir(parents=True, exist_ok=True)
-        data = result.to_dict()
-        data["costs"] = {"source": source, **cost.model_dump()}
         write_json(folder / "plan.json", data)
         plots.plot_tradeoff(
             [r.to_dict() for r in result.rows],
@@ -955,6 +1000,33 @@ def plan(
             f"({source})",
         )
         typer.echo(f"wrote {folder / 'plan.json'} and {folder / 'plan.png'}")
+
+
+def _print_retention(rows: list[Any]) -> None:
+    """`agentkv plan --retention`: one line per policy, then the sweep's best lease."""
+    from agentkv.bench.retention import best_lease, sweep_grid
+
+    table = [["policy", "reusable lost", "block-seconds", "vs fixed-450", "lost ≤ horizon"]]
+    for r in (r for r in rows if not r.policy.startswith("lease-ui")):
+        table.append(
+            [
+                r.policy,
+                f"{100 * r.lost_fraction:.2f}%",
+                f"{r.block_seconds:,.0f}",
+                f"{r.block_seconds_vs_fixed_450:.2f}",
+                f"{100 * r.cpu_tier_fraction:.2f}%",
+            ]
+        )
+    _print_rows(table, "retention: reusable tokens lost against D's block-seconds")
+    grid = sweep_grid(rows)
+    if grid:
+        _print_rows(grid, "lease sweep: reusable lost / block-seconds vs fixed-450")
+    best = best_lease(rows)
+    if best is not None:
+        typer.echo(
+            f"best lease within fixed-450's block-seconds: {best.policy} loses "
+            f"{100 * best.lost_fraction:.2f}% at {best.block_seconds_vs_fixed_450:.2f}x"
+        )
 
 
 @app.command()

@@ -72,6 +72,8 @@ class Step:
     """What D holds from the previous turn."""
     reusable_tokens: int
     """What a verifying router could let prefill read back."""
+    tool_wait: bool = False
+    """The gap was a tool wait: the previous response ended in a tool call."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,7 @@ def steps_of(sessions: Iterable[Session], block_size: int = 16) -> tuple[list[St
                     prompt_tokens=cur.input_tokens,
                     held_tokens=prev.input_tokens + prev.output_tokens - 1,
                     reusable_tokens=ideal_reuse(prev, step, cur.input_tokens, block_size),
+                    tool_wait=prev.tool_call,
                 )
             )
         if turns:

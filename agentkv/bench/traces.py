@@ -80,6 +80,9 @@ class Turn:
     """Text traces: the new user message."""
     output_text: str | None = None
     """Text traces: the assistant's answer."""
+    tool_call: bool = False
+    """The response ended in a tool call (Claude Code: ``stop == "tool_use"``, or a
+    ``tool_use`` output when the stop reason is missing): the gap after it is a tool wait."""
 
 
 @dataclass(frozen=True)
@@ -197,6 +200,13 @@ def _open_text(path: Path) -> IO[str]:
     return path.open(encoding="utf-8")
 
 
+def _ends_in_tool_call(request: dict[str, Any]) -> bool:
+    stop = request.get("stop")
+    if stop:
+        return bool(stop == "tool_use")
+    return "tool_use" in (request.get("output_types") or [])
+
+
 def _weka_turns(requests: list[dict[str, Any]], where: str) -> tuple[Turn, ...]:
     turns: list[Turn] = []
     for i, r in enumerate(requests):
@@ -221,6 +231,7 @@ def _weka_turns(requests: list[dict[str, Any]], where: str) -> tuple[Turn, ...]:
                     kind=kind,
                     reasoning="thinking" in (r.get("output_types") or []),
                     api_s=float(r["api_time"]) if r.get("api_time") is not None else None,
+                    tool_call=_ends_in_tool_call(r),
                 )
             )
         except (KeyError, TypeError, ValueError) as exc:
