@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 import re
 import uuid
@@ -107,6 +108,20 @@ def fingerprint(message: Mapping[str, Any]) -> tuple[Any, ...]:
     return (message.get("role"), content, tuple(calls), message.get("tool_call_id"))
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix (slice comparisons: C speed on long histories)."""
+    lo, hi = 0, min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    while hi - lo > 1:  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 class Ledger:
     """One conversation's history, token ids and epoch."""
 
@@ -144,6 +159,9 @@ class Ledger:
         ``message count`` messages (plus the turn's generation prompt)."""
         self._turn_base: int | None = None
         self.pending_rewrite: RewriteReport | None = None
+        self._before_rewrite: list[int] | None = None
+        """Exact ids of the history before the pending rewrite: the next prompt measures what
+        survived it."""
         self.warned_drift = False
         self.receipts: list[TurnReceipt] = []
         if system is not None:
@@ -340,7 +358,7 @@ class Ledger:
         self.last_output_ids = list(out_ids or [])
         usage = result.usage or {}
         details = usage.get("prompt_tokens_details") or {}
-        decision, reused, verified = router_fields(result.headers)
+        fields = router_fields(result.headers)
         receipt = TurnReceipt(
             conversation_id=self.id,
             turn=self.turns,
@@ -349,19 +367,34 @@ class Ledger:
             prompt_tokens=int(usage.get("prompt_tokens") or self.last_prompt_len or 0),
             completion_tokens=int(usage.get("completion_tokens") or len(out_ids or [])),
             cached_tokens=details.get("cached_tokens") if isinstance(details, Mapping) else None,
-            decision=decision,
-            reused_tokens=reused,
-            verified_prefix_tokens=verified,
+            decision=fields.decision,
+            reused_tokens=fields.reused,
+            verified_prefix_tokens=fields.verified,
             finish_reason=result.finish_reason,
             latency_s=result.latency_s,
             ttft_s=result.ttft_s,
             drift=drift,
-            rewrite=self.pending_rewrite,
+            rewrite=self._measured_rewrite(sent_ids, self.last_prompt_len),
             request_id=result.request_id,
+            local_prefix_tokens=fields.local,
+            estimated=fields.estimated,
+            trim_cause=fields.cause,
         )
         self.pending_rewrite = None
+        self._before_rewrite = None
         self.receipts.append(receipt)
         return receipt
+
+    def _measured_rewrite(
+        self, ids: Sequence[int] | None, prompt_len: int | None
+    ) -> RewriteReport | None:
+        """The pending rewrite's report, its surviving tokens measured on the prompt that
+        followed it (the common prefix of the old exact history and the new prompt)."""
+        report, before = self.pending_rewrite, self._before_rewrite
+        if report is None or before is None or ids is None or prompt_len is None:
+            return report
+        kept = common_prefix(before, ids[:prompt_len])
+        return dataclasses.replace(report, surviving_tokens=kept, dropped_tokens=len(before) - kept)
 
     def expected_prefix(self) -> list[int] | None:
         """Messages mode: what the next prompt should start with (previous prompt + output)."""
@@ -395,11 +428,14 @@ class Ledger:
         surviving_tokens = None
         dropped = None
         if self.ids is not None:
-            surviving_tokens = 0
-            for count, offset in self._boundaries:
-                if count <= same:
-                    surviving_tokens = offset
-            dropped = len(self.ids) - surviving_tokens
+            known = [offset for count, offset in self._boundaries if count <= same]
+            # a boundary at or before the first changed message gives a lower bound; without
+            # one (e.g. only the system prompt survives) the next prompt measures it
+            if known or same == 0:
+                surviving_tokens = known[-1] if known else 0
+                dropped = len(self.ids) - surviving_tokens
+            if self._before_rewrite is None:
+                self._before_rewrite = self.ids
         self._messages = new
         self._sent = 0
         self.ids = None

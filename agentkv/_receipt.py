@@ -4,9 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
-from agentkv.protocol import HEADER_DECISION, HEADER_REUSED_TOKENS, HEADER_VERIFIED_PREFIX_TOKENS
+from agentkv.protocol import (
+    HEADER_DECISION,
+    HEADER_ESTIMATED,
+    HEADER_LOCAL_PREFIX_TOKENS,
+    HEADER_REUSED_TOKENS,
+    HEADER_TRIM_CAUSE,
+    HEADER_VERIFIED_PREFIX_TOKENS,
+)
 
 __all__ = ["Drift", "RewriteReport", "TurnReceipt"]
 
@@ -61,21 +68,42 @@ class TurnReceipt:
     """``X-AgentKV-Decision`` (``pull``, ``local``, ``recompute``, ``miss``, ``stale``,
     ``expired``); None when no agentkv router answered."""
     reused_tokens: int | None
+    """M: prompt tokens P read from D's blocks (``X-AgentKV-Reused-Tokens``); an upper bound
+    when ``estimated``."""
     verified_prefix_tokens: int | None
+    """C: prompt tokens D's handle held, verified by token ids."""
     finish_reason: str | None
     latency_s: float
     ttft_s: float | None = None
     drift: Drift | None = None
     rewrite: RewriteReport | None = None
     request_id: str | None = None
+    local_prefix_tokens: int | None = None
+    """L: prompt tokens P already held in its own prefix cache (None: unknown)."""
+    estimated: bool = False
+    """True when L was unknown (P's KV events off): ``reused_tokens`` is what D offered, and P
+    may have read less of it."""
+    trim_cause: str | None = None
+    """Why less than the whole handle was usable: ``rewrite`` or ``drift``."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def router_fields(headers: Mapping[str, str]) -> tuple[str | None, int | None, int | None]:
-    """(decision, reused tokens, verified prefix tokens) from agentkv's response headers."""
+class RouterFields(NamedTuple):
+    """The receipt headers of agentkv's router (all None without one)."""
+
+    decision: str | None
+    reused: int | None
+    verified: int | None
+    local: int | None
+    estimated: bool
+    cause: str | None
+
+
+def router_fields(headers: Mapping[str, str]) -> RouterFields:
+    """agentkv's response headers, parsed."""
     lower = {k.lower(): v for k, v in headers.items()}
 
     def number(name: str) -> int | None:
@@ -85,8 +113,11 @@ def router_fields(headers: Mapping[str, str]) -> tuple[str | None, int | None, i
         except ValueError:
             return None
 
-    return (
+    return RouterFields(
         lower.get(HEADER_DECISION.lower()),
         number(HEADER_REUSED_TOKENS),
         number(HEADER_VERIFIED_PREFIX_TOKENS),
+        number(HEADER_LOCAL_PREFIX_TOKENS),
+        lower.get(HEADER_ESTIMATED.lower()) == "1",
+        lower.get(HEADER_TRIM_CAUSE.lower()),
     )

@@ -82,6 +82,11 @@ class KVTransferParams(BaseModel):
         """Blocks per KV-cache group (the first group's count)."""
         return len(self.remote_block_ids[0]) if self.remote_block_ids else 0
 
+    def for_reading(self) -> KVTransferParams:
+        """D's handle as P must receive it to read D's blocks (or notify D): unknown fields such
+        as vLLM 0.33's ``remote_registration_generation`` pass through whole."""
+        return self.model_copy(update={"do_remote_decode": True, "do_remote_prefill": False})
+
     def trimmed(self, num_blocks: int, block_size: int) -> KVTransferParams:
         """The same handle cut to its first ``num_blocks`` blocks in every group."""
         groups = [group[:num_blocks] for group in self.remote_block_ids or []]

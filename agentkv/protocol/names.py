@@ -22,11 +22,15 @@ __all__ = [
     "HEADER_CONVERSATION_ID",
     "HEADER_DECISION",
     "HEADER_EPOCH",
+    "HEADER_ESTIMATED",
+    "HEADER_LEASE",
+    "HEADER_LOCAL_PREFIX_TOKENS",
     "HEADER_REQUEST_ID",
     "HEADER_REUSED_TOKENS",
     "HEADER_SESSION_ID",
     "HEADER_SIM_MODEL_TTFT_MS",
     "HEADER_SIM_WRONG_KV_TOKENS",
+    "HEADER_TRIM_CAUSE",
     "HEADER_VERIFIED_PREFIX_TOKENS",
     "Metric",
 ]
@@ -42,7 +46,20 @@ HEADER_REQUEST_ID: Final = "X-Request-Id"
 """vLLM uses it as the base of its internal request id (it appends ``-<8 hex>``)."""
 HEADER_DECISION: Final = "X-AgentKV-Decision"
 HEADER_REUSED_TOKENS: Final = "X-AgentKV-Reused-Tokens"
+"""M = max(0, min(C, N) − L): the prompt tokens P reads from D's blocks this turn."""
 HEADER_VERIFIED_PREFIX_TOKENS: Final = "X-AgentKV-Verified-Prefix-Tokens"
+"""C: the prompt tokens D's handle holds, verified by token ids (0 across salts or models)."""
+HEADER_LOCAL_PREFIX_TOKENS: Final = "X-AgentKV-Local-Prefix-Tokens"
+"""L: the prompt tokens P already holds in its own prefix cache (from P's KV events)."""
+HEADER_ESTIMATED: Final = "X-AgentKV-Estimated"
+"""``1`` when L is unknown (P's KV events are off): the reused figure is what was offered, and P
+may have read less because its own prefix cache covered part of it."""
+HEADER_TRIM_CAUSE: Final = "X-AgentKV-Trim-Cause"
+"""Why less than the whole handle was usable: ``rewrite`` (the client announced a new epoch) or
+``drift`` (the prompt diverged without one)."""
+HEADER_LEASE: Final = "X-AgentKV-Lease"
+"""Seconds the router keeps a conversation's handles while its agent lives (renewed by each turn
+or ``POST /v1/conversations/{id}/lease``); when it lapses, D's blocks are released at once."""
 
 DECISIONS: Final = ("pull", "local", "recompute", "miss", "stale", "expired")
 """Values of ``X-AgentKV-Decision``."""

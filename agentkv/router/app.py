@@ -20,6 +20,7 @@ from starlette.routing import Route
 
 from agentkv.protocol import error_body
 from agentkv.router.config import RouterConfig
+from agentkv.router.guard import GuardedStore
 from agentkv.router.metrics import RouterMetrics
 from agentkv.router.pd import Router, UpstreamError
 from agentkv.router.request import RouterError, parse_request, tenant_for
@@ -69,7 +70,18 @@ def create_app(
     """
     pool = EnginePool(config, transport=transport)
     metrics = RouterMetrics()
-    the_store = store or make_store(config.store, max_entries=config.store_max_entries)
+    the_store = GuardedStore(
+        store
+        or make_store(
+            config.store,
+            max_entries=config.store_max_entries,
+            max_entries_per_tenant=config.store_max_entries_per_tenant,
+            per_conversation=config.handles_per_conversation,
+        ),
+        failures_to_open=config.store_failures_to_open,
+        open_s=config.store_open_s,
+        on_error=lambda op: metrics.store_errors.labels(op).inc(),
+    )
     router = Router(config, pool, the_store, metrics)
 
     @contextlib.asynccontextmanager
@@ -127,6 +139,8 @@ def create_app(
         d = sum(e.healthy for e in pool.decode)
         body: dict[str, Any] = {
             "status": "ok" if p and d else "unavailable",
+            # a failing store costs reuse, never answers: degraded, still 200
+            "store": "ok" if the_store.healthy else "degraded",
             "prefill": {e.url: e.healthy for e in pool.prefill},
             "decode": {e.url: e.healthy for e in pool.decode},
             "handles": await the_store.size(),
@@ -134,7 +148,9 @@ def create_app(
         return JSONResponse(body, status_code=200 if p and d else 503)
 
     async def metrics_route(request: Request) -> Response:
-        metrics.store_size.set(await the_store.size())
+        size = await the_store.size()
+        if size is not None:
+            metrics.store_size.set(size)
         for e in pool.all:
             metrics.healthy.labels(e.role, e.url).set(1 if e.healthy else 0)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -83,6 +83,26 @@ class RouterConfig(BaseModel):
     store: str = "memory"
     """``memory`` or a ``redis://`` URL (several router replicas share it)."""
     store_max_entries: int = Field(100_000, ge=1)
+    store_max_entries_per_tenant: int | None = Field(None, ge=1)
+    """Memory store: at most this many handles per tenant, so no tenant's conversations can
+    evict another tenant's handles (default: the whole store)."""
+    handles_per_conversation: int = Field(4, ge=1)
+    """K: handles kept per (tenant, conversation id), one per branch of history (several agents
+    on one thread, sub-agents); a turn takes the one with the longest verified prefix, and the
+    oldest beyond K is released."""
+    store_failures_to_open: int = Field(3, ge=1)
+    """Consecutive store errors that open the circuit breaker (turns then miss without calling
+    the store)."""
+    store_open_s: float = Field(2.0, gt=0)
+    """How long the breaker stays open before one call probes the store again."""
+    decode_first_byte_timeout_s: float = Field(30.0, gt=0)
+    """A streamed D request that has sent nothing by then is retried on another D (after a
+    fresh P pass) and the stalled D leaves the rotation until its health check passes."""
+    drain_timeout_s: float = Field(120.0, gt=0)
+    """When a client hangs up mid-stream, the router reads D on for up to this long so D
+    finishes the turn and its handle is kept."""
+    max_drains: int = Field(256, ge=0)
+    """At most this many abandoned streams are read on at once (beyond: D aborts)."""
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
     tenants: list[Tenant] = Field(default_factory=list)
     """Empty: no authentication, one anonymous tenant."""

@@ -27,7 +27,44 @@ class RouterMetrics:
             registry=r,
         )
         self.reused_tokens = Counter(
-            "agentkv_router_reused_tokens", "Tokens attached for P to read from D.", registry=r
+            "agentkv_router_reused_tokens",
+            "Prompt tokens P reads from D's blocks: M = max(0, min(C, N) - L), estimated where "
+            "P's KV events are off.",
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "agentkv_router_prompt_tokens",
+            "Prompt tokens of answered turns (reuse ratio = reused / prompt).",
+            registry=r,
+        )
+        self.local_prefix_tokens = Counter(
+            "agentkv_router_local_prefix_tokens",
+            "Prompt tokens P already held in its own prefix cache (L, from its KV events).",
+            registry=r,
+        )
+        self.estimated = Counter(
+            "agentkv_router_estimated_turns",
+            "Turns whose reuse figure is an estimate (L unknown: P's KV events off).",
+            registry=r,
+        )
+        self.trimmed = Counter(
+            "agentkv_router_trimmed_turns",
+            "Turns that used less than the whole handle, by cause (rewrite or drift).",
+            ("cause",),
+            registry=r,
+        )
+        self.abandoned = Counter(
+            "agentkv_router_abandoned_streams",
+            "Streams whose client left before the end: drained (D read to the end, its handle "
+            "kept) or aborted.",
+            ("outcome",),
+            registry=r,
+        )
+        self.store_errors = Counter(
+            "agentkv_router_store_errors",
+            "Handle-store calls that failed or were skipped by the open breaker, by operation.",
+            ("op",),
+            registry=r,
         )
         self.verified_tokens = Counter(
             "agentkv_router_verified_tokens",

@@ -2,14 +2,20 @@
 
 1. **Prompt ids**: the client's exact ids, or P's ``/tokenize`` of the same messages; both P and
    D then get these ids, so all agree.
-2. **Handle**: take the conversation's stored D handle (single use) and decide
-   (:func:`~agentkv.router.verify.plan_reuse`): attach it trimmed to the verified prefix, release
-   it (``remote_num_tokens: 0``), or drop it (expired, no bidirectional P).
-3. **P** (``/v1/completions``, the ids, ``max_tokens: 1``): a request that reads a handle has a
-   deadline and is retried without it when it passes (real vLLM 0.32 never answers a read of an
-   expired handle); a 500 with a handle is retried once without it; failures move to another P.
+2. **Handle**: the conversation keeps up to K handles (branches); each is verified against the
+   prompt by chained block hashes from a root of model + salt, whatever its epoch
+   (:func:`~agentkv.router.verify.plan_reuse`). The one with the longest verified prefix C is
+   taken (single use) and attached trimmed to C; a handle the client rewrote past is released
+   (``remote_num_tokens: 0``).
+3. **P**: the P with the longest local prefix L (its KV events; ties: affinity and load). P reads
+   M = max(0, min(C, N) − L) tokens from D, when M clears the threshold. A request that reads a
+   handle has a deadline and is retried without it when it passes (real vLLM never answers a
+   read of an expired handle); a 500 with a handle is retried once without it; failures move to
+   another P. The handle is spent only when a P accepts the request: a rejection or a failure
+   before that puts it back.
 4. **D**: the client's request with P's params and the ids, streamed as the client asked; a D
-   failing before its first byte is retried on another D after a fresh P pass.
+   failing before its first byte (or not sending it within the deadline) is retried on another
+   D after a fresh P pass. A stream is read to the end even when the client leaves.
 5. **Remember** D's handle with the hashes of the blocks it holds, keyed by (tenant,
    conversation id); handles it displaces, and those of turns without a conversation id, are
    released at once so D does not pin their blocks until its TTL.
@@ -20,9 +26,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import httpx
@@ -32,21 +38,26 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from agentkv.protocol import (
     HEADER_DECISION,
+    HEADER_ESTIMATED,
+    HEADER_LOCAL_PREFIX_TOKENS,
     HEADER_REUSED_TOKENS,
     HEADER_SIM_MODEL_TTFT_MS,
     HEADER_SIM_WRONG_KV_TOKENS,
+    HEADER_TRIM_CAUSE,
     HEADER_VERIFIED_PREFIX_TOKENS,
     KVTransferParams,
 )
 from agentkv.router.config import RouterConfig
+from agentkv.router.guard import GuardedStore
 from agentkv.router.metrics import RouterMetrics
+from agentkv.router.relay import Relay, StreamOutcome
 from agentkv.router.request import ClientRequest, RouterError
-from agentkv.router.sse import Captured, clean_response, rewrite_chunk, sse, synthesize_stream
-from agentkv.router.store import HandleStore, StoredHandle, StoreKey
+from agentkv.router.sse import Captured, clean_response, synthesize_stream
+from agentkv.router.store import StoredHandle, StoreKey
 from agentkv.router.upstream import Engine, EnginePool, pick_decode, pick_prefill
-from agentkv.router.verify import Plan, held_record, plan_reuse
+from agentkv.router.verify import Plan, PromptHashes, hash_root, held_record, plan_reuse
 
-__all__ = ["Router", "UpstreamError"]
+__all__ = ["LocalPrefix", "Receipt", "Router", "UpstreamError"]
 
 log = logging.getLogger("agentkv.router")
 _tracer = trace.get_tracer("agentkv.router")
@@ -61,13 +72,55 @@ class UpstreamError(Exception):
         self.status, self.body = status, body
 
 
+class LocalPrefix(Protocol):
+    """What P holds in its own prefix cache (an index fed by P's KV events)."""
+
+    def local_prefix_tokens(self, prompt_ids: Sequence[int], cache_salt: str | None) -> int: ...
+
+
+@dataclass(frozen=True)
+class Receipt:
+    """What the turn really did, for the client's headers and the metrics."""
+
+    decision: str
+    reused: int
+    """M: tokens P reads from D."""
+    verified: int
+    """C."""
+    local: int | None
+    """L (None: unknown, P's KV events are off)."""
+    cause: str | None
+
+    def headers(self) -> dict[str, str]:
+        out = {
+            HEADER_DECISION: self.decision,
+            HEADER_REUSED_TOKENS: str(self.reused),
+            HEADER_VERIFIED_PREFIX_TOKENS: str(self.verified),
+        }
+        if self.local is None:
+            out[HEADER_ESTIMATED] = "1"
+        else:
+            out[HEADER_LOCAL_PREFIX_TOKENS] = str(self.local)
+        if self.cause:
+            out[HEADER_TRIM_CAUSE] = self.cause
+        return out
+
+
 @dataclass
 class _Prefilled:
     params: dict[str, Any]
     engine: Engine
-    plan: Plan
+    receipt: Receipt
     sim_headers: dict[str, str] = field(default_factory=dict)
     """P's simulator receipt headers (agentkv's engine simulator only)."""
+
+
+@dataclass
+class _Attempt:
+    """The plan as P's attempts change it (a handle lost to a failed read is dropped from it)."""
+
+    plan: Plan
+    key: StoreKey | None
 
 
 def _sim_receipt(prefill: Mapping[str, str], decode: Mapping[str, str]) -> dict[str, str]:
@@ -104,13 +157,27 @@ def _reachable(params: dict[str, Any], engine: Engine) -> dict[str, Any]:
     return out
 
 
+def _cap_local(local: int, n: int, block_size: int) -> int:
+    """vLLM's prefix-cache hit never covers the last prompt token (at most (n-1)//bs blocks)."""
+    return min(local, (n - 1) // block_size * block_size) if n > 0 else 0
+
+
 class Router:
     """The P/D orchestration of one router process."""
 
     def __init__(
-        self, config: RouterConfig, pool: EnginePool, store: HandleStore, metrics: RouterMetrics
+        self,
+        config: RouterConfig,
+        pool: EnginePool,
+        store: GuardedStore,
+        metrics: RouterMetrics,
+        *,
+        local_prefix: Mapping[str, LocalPrefix] | None = None,
     ) -> None:
         self.config, self.pool, self.store, self.metrics = config, pool, store, metrics
+        self.local_prefix: dict[str, LocalPrefix] = dict(local_prefix or {})
+        """P url -> its prefix index (only P's whose KV events the router reads)."""
+        self.relay = Relay(drain_timeout_s=config.drain_timeout_s, max_drains=config.max_drains)
         self._background: set[asyncio.Task[None]] = set()
         for engine in pool.decode:
             engine.on_eject.append(self._drop_handles_of)
@@ -124,6 +191,7 @@ class Router:
     async def drain(self) -> None:
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+        await self.relay.aclose()
 
     def _drop_handles_of(self, engine: Engine) -> None:
         async def drop() -> None:
@@ -138,13 +206,11 @@ class Router:
         engine = pick_prefill(self.pool.prefill, None, cap_tokens=1 << 62, need_bidirectional=True)
         if engine is None:
             return
-        params = dict(
-            handle.params, do_remote_decode=True, do_remote_prefill=False, remote_num_tokens=0
-        )
+        params = KVTransferParams.model_validate(handle.params).for_reading().release_only()
         body = {
             "prompt": handle.tail_tokens[:1] or [0],
             "max_tokens": 1,
-            "kv_transfer_params": params,
+            "kv_transfer_params": params.to_wire(),
         }
         try:
             r = await engine.client.post(
@@ -156,11 +222,10 @@ class Router:
             self.metrics.upstream_errors.labels("prefill", "release").inc()
 
     async def close_conversation(self, tenant: str, conversation_id: str) -> bool:
-        handle = await self.store.delete((tenant, conversation_id))
-        if handle is None:
-            return False
-        await self.release(handle, "closed")
-        return True
+        handles = await self.store.delete((tenant, conversation_id))
+        for handle in handles:
+            await self.release(handle, "closed")
+        return bool(handles)
 
     # -- 1. prompt ids -----------------------------------------------------------------------
     async def prompt_ids(self, req: ClientRequest) -> list[int]:
@@ -188,11 +253,13 @@ class Router:
             if isinstance(body.get("prompt"), list):
                 body["prompt"] = body["prompt"][0]
         last: Exception | None = None
-        for engine in candidates[: self.config.retries + 1]:
+        tries = [candidates[i % len(candidates)] for i in range(self.config.retries + 1)]
+        for engine in tries:
             try:
                 r = await engine.client.post("/tokenize", json=body)
             except httpx.HTTPError as exc:
                 engine.failed(self.config.eject_after_failures)
+                self.metrics.upstream_errors.labels("prefill", "tokenize").inc()
                 last = exc
                 continue
             if r.status_code == 200:
@@ -200,25 +267,73 @@ class Router:
             if r.status_code < 500:
                 raise UpstreamError(r.status_code, r.content)
             last = RuntimeError(f"/tokenize answered {r.status_code}")
-        raise RouterError(503, f"Could not tokenize the prompt: {last!r}")
+        log.warning("could not tokenize a prompt: %r", last)
+        raise RouterError(503, "Could not tokenize the prompt: no prefill instance answered.")
 
     # -- 3. prefill --------------------------------------------------------------------------
-    async def _prefill(self, req: ClientRequest, ids: list[int], plan: Plan) -> _Prefilled:
+    def _choose_prefill(
+        self, req: ClientRequest, ids: list[int], need_bidirectional: bool
+    ) -> tuple[Engine | None, int | None]:
+        """(P, L): with KV events, the P with the longest local prefix (ties: affinity, load)."""
+        preferred = pick_prefill(
+            self.pool.prefill,
+            req.conversation_id,
+            cap_tokens=self.config.affinity_max_outstanding_tokens,
+            need_bidirectional=need_bidirectional,
+        )
+        if preferred is None or preferred.url not in self.local_prefix:
+            return preferred, None
+        bs = self.config.block_size
+
+        def local(e: Engine) -> int:
+            index = self.local_prefix[e.url]
+            return _cap_local(index.local_prefix_tokens(ids, req.cache_salt), len(ids), bs)
+
+        best, best_local = preferred, local(preferred)
+        able = [
+            e
+            for e in self.pool.prefill
+            if e.healthy
+            and e.url in self.local_prefix
+            and (e.backend.bidirectional or not need_bidirectional)
+            and e.outstanding_tokens <= self.config.affinity_max_outstanding_tokens
+        ]
+        for e in able:
+            n = local(e)
+            if n > best_local:
+                best, best_local = e, n
+        return best, best_local
+
+    def _receipt(self, plan: Plan, n: int, local: int | None) -> Receipt:
+        """M = max(0, min(C, N) − L), zero when below P's threshold (P then only notifies D)."""
+        if plan.params is None or plan.release:
+            return Receipt(plan.decision, 0, plan.verified_tokens, local, plan.cause)
+        offered = min(plan.attached_tokens, n)
+        m = max(0, offered - (local or 0))
+        threshold = self.config.kv_recompute_threshold
+        if local is not None and (m == 0 or (threshold > 0 and m < threshold)):
+            # P's own prefix cache covers what D offers: P reads nothing, D frees the blocks
+            return Receipt("local", 0, plan.verified_tokens, local, plan.cause)
+        return Receipt(plan.decision, m, plan.verified_tokens, local, plan.cause)
+
+    async def _prefill(self, req: ClientRequest, ids: list[int], at: _Attempt) -> _Prefilled:
+        """Run P with ``at.plan``; on the way ``at.plan`` loses a handle P may have started to
+        read (released) and keeps one no P has seen (the caller puts it back on failure)."""
         cfg = self.config
         for _attempt in range(cfg.retries + 2):
-            engine = pick_prefill(
-                self.pool.prefill,
-                req.conversation_id,
-                cap_tokens=cfg.affinity_max_outstanding_tokens,
-                need_bidirectional=plan.params is not None,
-            )
+            plan = at.plan
+            engine, local = self._choose_prefill(req, ids, plan.params is not None)
             if engine is None and plan.params is not None:
-                plan = Plan("local", None, 0, plan.verified_tokens, False)
+                # no P can read it: put it back for a later turn
+                self._spawn(self._restore(at.key, plan))
+                at.plan = plan.without_handle("local")
                 continue
             if engine is None:
                 raise RouterError(503, "No healthy prefill instance.")
             params = (
-                plan.params if plan.params is not None else KVTransferParams.for_prefill().to_wire()
+                plan.params.to_wire()
+                if plan.params is not None
+                else KVTransferParams.for_prefill().to_wire()
             )
             body: dict[str, Any] = {
                 "prompt": ids,
@@ -239,20 +354,18 @@ class Router:
                 self.metrics.upstream_errors.labels("prefill", "timeout").inc()
                 if reads:
                     log.warning(
-                        "prefill read passed its deadline conv=%s: retrying without the handle",
+                        "prefill read passed its deadline conv=%r: retrying without the handle",
                         req.conversation_id,
                     )
                     self.metrics.retries.labels("deadline").inc()
                 else:
                     engine.failed(cfg.eject_after_failures)
-                plan = Plan("recompute", None, 0, plan.verified_tokens, False)
+                self._lost(at, "deadline")
                 continue
             except httpx.HTTPError:
+                # never reached P (or P died): the handle is unread, keep it attached elsewhere
                 self.metrics.upstream_errors.labels("prefill", "connect").inc()
                 engine.failed(cfg.eject_after_failures)
-                plan = (
-                    Plan("recompute", None, 0, plan.verified_tokens, False) if plan.params else plan
-                )
                 self.metrics.retries.labels("prefill_error").inc()
                 continue
             finally:
@@ -266,22 +379,29 @@ class Router:
                         502, f"Prefill instance {engine.url} returned no kv_transfer_params."
                     )
                 sim = _sim_receipt(r.headers, {})
-                return _Prefilled(_reachable(handle, engine), engine, plan, sim)
+                receipt = self._receipt(plan, len(ids), local)
+                return _Prefilled(_reachable(handle, engine), engine, receipt, sim)
             self.metrics.upstream_errors.labels("prefill", str(r.status_code)).inc()
             if r.status_code < 500 and r.status_code != 429:
                 raise UpstreamError(r.status_code, r.content)
-            if plan.params is not None:
+            if plan.params is not None and r.status_code != 429:
                 # 500 with a handle (kv_load_failure_policy "fail"): once more, without it
                 self.metrics.retries.labels("handle_failed").inc()
-                plan = Plan("recompute", None, 0, plan.verified_tokens, False)
+                self._lost(at, "prefill_failed")
                 continue
             engine.failed(cfg.eject_after_failures)
             self.metrics.retries.labels("prefill_error").inc()
         raise RouterError(503, "No prefill instance answered.")
 
+    def _lost(self, at: _Attempt, reason: str) -> None:
+        """P failed with the handle attached: D still pins its blocks; free them, go on without."""
+        if at.plan.taken is not None and not at.plan.release:
+            self._spawn(self.release(at.plan.taken.handle, reason))
+        at.plan = at.plan.without_handle()
+
     # -- 2-5. a turn --------------------------------------------------------------------------
     async def turn(self, req: ClientRequest) -> Response:
-        attrs = {
+        attrs: dict[str, Any] = {
             "gen_ai.operation.name": "chat" if req.chat else "text_completion",
             "agentkv.tenant": req.tenant,
             "agentkv.epoch": req.epoch,
@@ -293,76 +413,121 @@ class Router:
         ) as span:
             return await self._turn(req, span)
 
+    async def _plan(self, req: ClientRequest, key: StoreKey | None, ids: list[int]) -> Plan:
+        """Choose and take a handle; a handle another replica took first is skipped."""
+        root = hash_root(req.body.get("model"), req.cache_salt)
+        hashes = PromptHashes(ids, self.config.block_size, root)
+        can_pull = any(e.healthy and e.backend.bidirectional for e in self.pool.prefill)
+        candidates = await self.store.candidates(key) if key else []
+        for _ in range(3):
+            plan = plan_reuse(
+                candidates,
+                hashes,
+                epoch=req.epoch,
+                router_ttl_s=self.config.router_ttl_s,
+                threshold=self.config.kv_recompute_threshold,
+                can_pull=can_pull,
+                verify=self.config.reuse_policy == "verified",
+            )
+            if key is not None:
+                for gone in plan.expired:
+                    self._spawn(self.store.take(key, gone.handle.id))
+            if plan.taken is None or key is None:
+                return plan
+            taken = await self.store.take(key, plan.taken.handle.id)
+            if taken is not None:
+                self.metrics.handle_age.observe(taken.age_s)
+                return replace(plan, taken=taken)
+            candidates = [c for c in candidates if c.handle.id != plan.taken.handle.id]
+        return Plan("miss", None, 0, 0, False)
+
+    async def _restore(self, key: StoreKey | None, plan: Plan) -> None:
+        """Put an unspent handle back (it keeps its age); a release-only plan releases it."""
+        if key is None or plan.taken is None:
+            return
+        taken, ttl = plan.taken, self.config.decoder_kv_blocks_ttl_s
+        displaced = await self.store.put(key, taken.handle, ttl, age_s=taken.age_s)
+        for old in displaced:
+            self._spawn(self.release(old, "displaced"))
+
     async def _turn(self, req: ClientRequest, span: trace.Span) -> Response:
         started = time.perf_counter()
         ids = await self.prompt_ids(req)
         key: StoreKey | None = (req.tenant, req.conversation_id) if req.conversation_id else None
-        taken = await self.store.take(key) if key else None
-        if taken is not None:
-            self.metrics.handle_age.observe(taken.age_s)
-        can_pull = any(e.healthy and e.backend.bidirectional for e in self.pool.prefill)
-        plan = plan_reuse(
-            taken.handle if taken else None,
-            taken.age_s if taken else 0.0,
-            ids,
-            epoch=req.epoch,
-            router_ttl_s=self.config.router_ttl_s,
-            threshold=self.config.kv_recompute_threshold,
-            can_pull=can_pull,
-            verify=self.config.reuse_policy == "verified",
-        )
-        self.metrics.verified_tokens.inc(plan.verified_tokens)
-        if plan.release:
+        plan = await self._plan(req, key, ids)
+        if plan.release and plan.taken is not None:
             self.metrics.released.labels(plan.decision).inc()
         tried: set[str] = set()
+        holder = plan.taken.handle.decode_url if plan.taken else None
         for attempt in range(self.config.retries + 1):
-            pre = await self._prefill(
-                req, ids, plan if attempt == 0 else Plan("recompute", None, 0, 0, False)
-            )
-            if attempt == 0:
-                if plan.params is not None and pre.plan.params is None and taken is not None:
-                    # P failed with the handle attached: D still pins its blocks; free them
-                    self._spawn(self.release(taken.handle, "prefill_failed"))
-                plan = pre.plan
-            holder = taken.handle.decode_url if taken else None
+            # a retry after D failed is a fresh P pass: P's own cache now holds the prompt
+            at = _Attempt(plan if attempt == 0 else plan.without_handle(), key)
+            try:
+                pre = await self._prefill(req, ids, at)
+            except (UpstreamError, RouterError):
+                # no P accepted the request: the handle is not spent
+                await self._restore(key, at.plan)
+                raise
             candidates = [e for e in self.pool.decode if e.url not in tried] or self.pool.decode
             engine = pick_decode(candidates, holder)
             if engine is None:
                 raise RouterError(503, "No healthy decode instance.")
             tried.add(engine.url)
             try:
-                response = await self._decode(req, ids, pre, engine, key, plan, started)
+                response = await self._decode(req, ids, pre, engine, key, started)
             except _BeforeFirstByte:
                 self.metrics.retries.labels("decode_error").inc()
                 continue
-            self.metrics.requests.labels("chat" if req.chat else "completions", plan.decision).inc()
-            self.metrics.reused_tokens.inc(plan.reused_tokens)
-            span.set_attributes(
-                {
-                    "agentkv.decision": plan.decision,
-                    "agentkv.reused_tokens": plan.reused_tokens,
-                    "agentkv.verified_prefix_tokens": plan.verified_tokens,
-                    "agentkv.prompt_tokens": len(ids),
-                    "agentkv.prefill.url": pre.engine.url,
-                    "agentkv.decode.url": engine.url,
-                }
-            )
-            log.info(
-                "turn conversation=%s tenant=%s epoch=%d decision=%s reused=%d verified=%d "
-                "prompt_tokens=%d prefill=%s decode=%s ms=%.1f",
-                req.conversation_id,
-                req.tenant,
-                req.epoch,
-                plan.decision,
-                plan.reused_tokens,
-                plan.verified_tokens,
-                len(ids),
-                pre.engine.url,
-                engine.url,
-                (time.perf_counter() - started) * 1000,
-            )
+            self._account(req, ids, pre, engine, span, started)
             return response
         raise RouterError(502, "No decode instance answered.")
+
+    def _account(
+        self,
+        req: ClientRequest,
+        ids: list[int],
+        pre: _Prefilled,
+        engine: Engine,
+        span: trace.Span,
+        started: float,
+    ) -> None:
+        r = pre.receipt
+        self.metrics.requests.labels("chat" if req.chat else "completions", r.decision).inc()
+        self.metrics.reused_tokens.inc(r.reused)
+        self.metrics.verified_tokens.inc(r.verified)
+        self.metrics.prompt_tokens.inc(len(ids))
+        if r.local is None:
+            self.metrics.estimated.inc()
+        else:
+            self.metrics.local_prefix_tokens.inc(r.local)
+        if r.cause:
+            self.metrics.trimmed.labels(r.cause).inc()
+        span.set_attributes(
+            {
+                "agentkv.decision": r.decision,
+                "agentkv.reused_tokens": r.reused,
+                "agentkv.verified_prefix_tokens": r.verified,
+                "agentkv.local_prefix_tokens": -1 if r.local is None else r.local,
+                "agentkv.prompt_tokens": len(ids),
+                "agentkv.prefill.url": pre.engine.url,
+                "agentkv.decode.url": engine.url,
+            }
+        )
+        log.info(
+            "turn conversation=%r tenant=%r epoch=%d decision=%s reused=%d verified=%d local=%s "
+            "prompt_tokens=%d prefill=%s decode=%s ms=%.1f",
+            req.conversation_id,
+            req.tenant,
+            req.epoch,
+            r.decision,
+            r.reused,
+            r.verified,
+            "?" if r.local is None else r.local,
+            len(ids),
+            pre.engine.url,
+            engine.url,
+            (time.perf_counter() - started) * 1000,
+        )
 
     # -- 4. decode ----------------------------------------------------------------------------
     async def _decode(
@@ -372,7 +537,6 @@ class Router:
         pre: _Prefilled,
         engine: Engine,
         key: StoreKey | None,
-        plan: Plan,
         started: float,
     ) -> Response:
         body = req.copy_body()
@@ -382,24 +546,32 @@ class Router:
             body["prompt"] = ids
             body["kv_transfer_params"] = pre.params
         body["return_token_ids"] = True
-        headers = {
-            HEADER_DECISION: plan.decision,
-            HEADER_REUSED_TOKENS: str(plan.reused_tokens),
-            HEADER_VERIFIED_PREFIX_TOKENS: str(plan.verified_tokens),
-        }
+        headers = pre.receipt.headers()
         relay = req.stream and engine.backend.handle_on_stream
         if not relay:
             body["stream"] = False
             body.pop("stream_options", None)
         engine.outstanding_requests += 1
         t0 = time.perf_counter()
+        first_byte = self.config.decode_first_byte_timeout_s if relay else None
         try:
-            request = engine.client.build_request("POST", req.path, json=body)
-            upstream = await engine.client.send(request, stream=True)
-        except httpx.HTTPError:
+            request = engine.client.build_request(
+                "POST",
+                req.path,
+                content=orjson.dumps(body),
+                headers={"content-type": "application/json"},
+            )
+            send = engine.client.send(request, stream=True)
+            upstream = await (asyncio.wait_for(send, first_byte) if first_byte else send)
+        except (httpx.HTTPError, asyncio.TimeoutError) as exc:
             engine.outstanding_requests -= 1
-            engine.failed(self.config.eject_after_failures)
-            self.metrics.upstream_errors.labels("decode", "connect").inc()
+            kind = "first_byte" if isinstance(exc, asyncio.TimeoutError) else "connect"
+            if kind == "first_byte":
+                log.warning("decode %s sent nothing within %.0f s", engine.url, first_byte or 0)
+                engine.failed(1)  # a stalled engine: out of rotation until its check passes
+            else:
+                engine.failed(self.config.eject_after_failures)
+            self.metrics.upstream_errors.labels("decode", kind).inc()
             raise _BeforeFirstByte() from None
         if upstream.status_code != 200:
             content = await upstream.aread()
@@ -435,53 +607,27 @@ class Router:
                 )
             return JSONResponse(data, headers=headers)
         engine.ok()
-        return StreamingResponse(
-            self._relay(req, ids, upstream, engine, key, started),
-            media_type="text/event-stream",
-            headers=headers,
-        )
 
-    async def _relay(
-        self,
-        req: ClientRequest,
-        ids: list[int],
-        upstream: httpx.Response,
-        engine: Engine,
-        key: StoreKey | None,
-        started: float,
-    ) -> AsyncIterator[bytes]:
-        captured = Captured()
-        done = remembered = False
-        try:
-            async for line in upstream.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                payload = line[6:]
-                if payload.strip() == "[DONE]":
-                    done = True
-                    yield sse("[DONE]")
-                    continue
-                try:
-                    chunk = orjson.loads(payload)
-                except orjson.JSONDecodeError:
-                    continue
-                out = sse(rewrite_chunk(chunk, captured, keep_ids=req.wants_token_ids))
-                if captured.handle is not None and not remembered:
-                    # D's handle comes on the finish_reason chunk, with the last token: store it
-                    # before the client sees the end and can send its next turn
-                    remembered = True
-                    await self._remember(req, key, ids, captured, engine)
-                yield out
-        except httpx.HTTPError:
-            self.metrics.upstream_errors.labels("decode", "stream").inc()
-            engine.failed(self.config.eject_after_failures)
-            raise
-        finally:
-            await upstream.aclose()
+        async def on_handle(captured: Captured) -> None:
+            await self._remember(req, key, ids, captured, engine)
+
+        def on_end(outcome: StreamOutcome) -> None:
             engine.outstanding_requests -= 1
             self.metrics.turn_seconds.observe(time.perf_counter() - started)
-        if not done:
-            log.warning("decode stream ended without [DONE] conversation=%s", req.conversation_id)
+            if outcome.failed:
+                self.metrics.upstream_errors.labels("decode", "stream").inc()
+                engine.failed(self.config.eject_after_failures)
+            elif outcome.abandoned:
+                self.metrics.abandoned.labels("drained" if outcome.drained else "aborted").inc()
+            elif not outcome.done:
+                log.warning(
+                    "decode stream ended without [DONE] conversation=%r", req.conversation_id
+                )
+
+        stream = self.relay.stream(
+            upstream, keep_ids=req.wants_token_ids, on_handle=on_handle, on_end=on_end
+        )
+        return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
 
     # -- 5. remember --------------------------------------------------------------------------
     async def _remember(
@@ -496,22 +642,25 @@ class Router:
         if not handle or not handle.get("remote_block_ids"):
             return
         num = int(handle.get("remote_num_tokens") or 0)
-        hashes, tail = held_record([*ids, *captured.output_ids], num, self.config.block_size)
+        bs = self.config.block_size
+        root = hash_root(req.body.get("model"), req.cache_salt)
+        hashes, tail = held_record([*ids, *captured.output_ids], num, bs, root)
         stored = StoredHandle(
             params=_reachable(handle, engine),
             block_hashes=hashes,
             tail_tokens=tail,
             num_tokens=num,
-            block_size=self.config.block_size,
+            block_size=bs,
             epoch=req.epoch,
             decode_url=engine.url,
+            root=root.hex(),
         )
         if key is None:
             self._spawn(self.release(stored, "anonymous"))
             return
         displaced = await self.store.put(key, stored, self.config.decoder_kv_blocks_ttl_s)
         for old in displaced:
-            self._spawn(self.release(old, "displaced"))
+            self._spawn(self.release(old, "displaced" if old is not stored else "store_down"))
 
 
 class _BeforeFirstByte(Exception):

@@ -1,68 +1,66 @@
-"""The router's handle store: D's transfer handle per (tenant, conversation id), single use.
+"""The router's handle store: D's transfer handles per (tenant, conversation id), single use.
 
 After each turn the router stores the decode instance's ``kv_transfer_params`` (with what it needs
-to verify the next prompt against the blocks D holds) and on the next turn *takes* it: the take is
-an atomic get-and-delete, so a handle is read at most once, even by several router replicas racing
-on one Redis.
+to verify a later prompt against the blocks D holds). A conversation keeps up to
+``per_conversation`` handles (K): several agents on one thread, sub-agents and retries each leave
+their own branch of history, and a later turn takes the one that verifies the longest prefix
+(:meth:`HandleStore.candidates`, then :meth:`HandleStore.take` of that one). The take is an atomic
+get-and-delete of one handle, so a handle is read at most once, even by several router replicas
+racing on one Redis.
 
 Two implementations of :class:`HandleStore`:
 
-- :class:`MemoryStore`: one router process. Bounded (LRU over ``max_entries``) and TTL'd on an
+- :class:`MemoryStore`: one router process. Bounded (LRU over ``max_entries`` handles, and per
+  tenant over ``max_entries_per_tenant`` so no tenant can evict another's) and TTL'd on an
   injectable monotonic clock.
-- :class:`RedisStore`: several router replicas sharing one Redis (>= 6.2). Expiry is Redis's own
-  (``PX``, the server's clock, so replicas agree on age and expiry); ``take`` is one Lua script.
+- :class:`~agentkv.router.redis_store.RedisStore`: several router replicas sharing one Redis
+  (>= 6.2). Expiry is Redis's own (the server's clock, so replicas agree on age and expiry).
 
-``put`` returns the handles it displaced (the one it overwrote, and in memory any LRU-evicted ones)
-so the router can tell their D to free the blocks now; expired handles are never returned (D has
-reaped or will reap them on its own TTL).
+``put`` returns the handles it displaced (the conversation's oldest beyond K, and in memory any
+LRU-evicted ones) so the router can tell their D to free the blocks now; expired handles are never
+returned (D has reaped or will reap them on its own TTL).
 """
 
 from __future__ import annotations
 
+import hashlib
 import heapq
-import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
+from typing import Any, Protocol, TypeGuard
 
 import orjson
-
-if TYPE_CHECKING:
-    import redis.asyncio
 
 __all__ = [
     "HandleStore",
     "MemoryStore",
-    "RedisStore",
     "StoreKey",
     "StoredHandle",
     "Taken",
     "make_store",
 ]
 
-log = logging.getLogger("agentkv.router")
-
 StoreKey = tuple[str, str]
 """(tenant, conversation_id)."""
 
-_FORMAT = 1
+_FORMAT = 2
 """Version of :meth:`StoredHandle.to_json`'s layout (router replicas of different versions may
 share one Redis; a handle in a format this router does not know is treated as absent)."""
 
-_REDIS_EXTRA_HINT = 'RedisStore needs the redis client library: pip install "agentkv[redis]"'
+DEFAULT_PER_CONVERSATION = 4
 
 
 @dataclass(frozen=True)
 class StoredHandle:
-    """What the router keeps from D's final response, to verify and reuse on the next turn."""
+    """What the router keeps from D's final response, to verify and reuse on a later turn."""
 
     params: dict[str, Any]
     """D's ``kv_transfer_params``, as the router will send it to P."""
     block_hashes: list[str]
-    """Hex chained hashes of the full blocks D holds (prompt + output)."""
+    """Hex chained hashes of the full blocks D holds (prompt + output), from ``root``."""
     tail_tokens: list[int]
     """Token ids D holds after its last full block (fewer than ``block_size``)."""
     num_tokens: int
@@ -71,6 +69,16 @@ class StoredHandle:
     epoch: int
     decode_url: str
     """Which D holds the blocks."""
+    root: str = ""
+    """Hex root of the hash chain: the model and the effective cache salt (a handle never
+    verifies for a prompt under another salt or model)."""
+
+    @property
+    def id(self) -> str:
+        """Stable id of this handle within its conversation (D's request id is unique)."""
+        p = self.params
+        seed = f"{self.decode_url}|{p.get('remote_engine_id')}|{p.get('remote_request_id')}"
+        return hashlib.blake2b(seed.encode(), digest_size=8).hexdigest()
 
     def to_json(self) -> bytes:
         return orjson.dumps(
@@ -83,6 +91,7 @@ class StoredHandle:
                 "block_size": self.block_size,
                 "epoch": self.epoch,
                 "decode_url": self.decode_url,
+                "root": self.root,
             }
         )
 
@@ -112,9 +121,11 @@ class StoredHandle:
             if not _is_int(value):
                 raise ValueError(f"stored handle: {name} must be an integer")
             ints[name] = value
-        decode_url = obj.get("decode_url")
+        decode_url, root = obj.get("decode_url"), obj.get("root")
         if not isinstance(decode_url, str):
             raise ValueError("stored handle: decode_url must be a string")
+        if not isinstance(root, str):
+            raise ValueError("stored handle: root must be a string")
         return cls(
             params=params,
             block_hashes=block_hashes,
@@ -123,6 +134,7 @@ class StoredHandle:
             block_size=ints["block_size"],
             epoch=ints["epoch"],
             decode_url=decode_url,
+            root=root,
         )
 
 
@@ -132,7 +144,7 @@ def _is_int(value: object) -> TypeGuard[int]:
 
 @dataclass(frozen=True)
 class Taken:
-    """A handle taken from the store."""
+    """A live handle read from the store (by :meth:`HandleStore.candidates` or ``take``)."""
 
     handle: StoredHandle
     age_s: float
@@ -140,22 +152,30 @@ class Taken:
 
 
 class HandleStore(Protocol):
-    """Where the router keeps one transfer handle per (tenant, conversation id)."""
+    """Where the router keeps up to K transfer handles per (tenant, conversation id)."""
 
-    async def put(self, key: StoreKey, handle: StoredHandle, ttl_s: float) -> list[StoredHandle]:
-        """Store ``handle`` under ``key`` for ``ttl_s`` seconds, replacing any handle there.
+    async def put(
+        self, key: StoreKey, handle: StoredHandle, ttl_s: float, *, age_s: float = 0.0
+    ) -> list[StoredHandle]:
+        """Store ``handle`` under ``key`` for ``ttl_s`` seconds from ``age_s`` ago (a handle put
+        back keeps its age), replacing a handle with the same id.
 
-        Returns the live handles this displaced: the overwritten one and any evicted to stay within
-        the store's bound, so the router can release their KV on D early. Expired handles are not
-        returned (D reaps them itself)."""
+        Returns the live handles this displaced: the conversation's oldest beyond K and any
+        evicted to stay within the store's bounds, so the router can release their KV on D early.
+        Expired handles are not returned (D reaps them itself)."""
         ...
 
-    async def take(self, key: StoreKey) -> Taken | None:
-        """Atomically get and delete; ``None`` if absent or expired. A handle is taken once."""
+    async def candidates(self, key: StoreKey) -> list[Taken]:
+        """The conversation's live handles, newest first, without taking any."""
         ...
 
-    async def delete(self, key: StoreKey) -> StoredHandle | None:
-        """Remove and return the live handle under ``key``, if any."""
+    async def take(self, key: StoreKey, handle_id: str | None = None) -> Taken | None:
+        """Atomically get and delete one handle (``handle_id``, or the newest); ``None`` if absent,
+        expired or already taken. A handle is taken once."""
+        ...
+
+    async def delete(self, key: StoreKey) -> list[StoredHandle]:
+        """Remove and return the live handles under ``key``."""
         ...
 
     async def drop_decode(self, decode_url: str) -> int:
@@ -169,9 +189,14 @@ class HandleStore(Protocol):
     async def aclose(self) -> None: ...
 
 
-def _check_ttl(ttl_s: float) -> None:
+def check_ttl(ttl_s: float) -> None:
     if not (ttl_s > 0 and math.isfinite(ttl_s)):
         raise ValueError(f"ttl_s must be a positive finite number of seconds, got {ttl_s!r}")
+
+
+def check_per_conversation(n: int) -> None:
+    if n < 1:
+        raise ValueError(f"per_conversation must be at least 1, got {n}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -186,311 +211,215 @@ class _Entry:
     seq: int
 
 
-class MemoryStore:
-    """One router process's store: LRU-bounded to ``max_entries`` and TTL'd on ``clock``.
+_Slot = tuple[StoreKey, str]
+"""(conversation key, handle id)."""
 
-    ``put`` and ``take`` count as uses for the LRU order (``take`` removes the entry, so in practice
-    the least recently *stored* handle goes first). Expired entries are purged on ``put`` and
-    ``size`` (through a heap of expiry times, so a purge costs only what it removes) and ignored
-    wherever they are met. The methods never await, so each is atomic within one event loop.
+
+class MemoryStore:
+    """One router process's store: LRU-bounded and TTL'd on ``clock``.
+
+    Bounds: ``max_entries`` handles in all, ``max_entries_per_tenant`` per tenant (default: no
+    more than the whole), ``per_conversation`` per conversation. The least recently *stored*
+    conversation loses its oldest handle first. Expired entries are purged on ``put`` and ``size``
+    (through a heap of expiry times, so a purge costs only what it removes) and ignored wherever
+    they are met. The methods never await, so each is atomic within one event loop.
     """
 
     def __init__(
-        self, *, max_entries: int = 100_000, clock: Callable[[], float] = time.monotonic
+        self,
+        *,
+        max_entries: int = 100_000,
+        max_entries_per_tenant: int | None = None,
+        per_conversation: int = DEFAULT_PER_CONVERSATION,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if max_entries < 1:
             raise ValueError(f"max_entries must be at least 1, got {max_entries}")
+        if max_entries_per_tenant is not None and max_entries_per_tenant < 1:
+            raise ValueError(f"max_entries_per_tenant must be at least 1, got {max_entries}")
+        check_per_conversation(per_conversation)
         self._max_entries = max_entries
+        self._per_tenant = max_entries_per_tenant or max_entries
+        self._per_conversation = per_conversation
         self._clock = clock
-        self._entries: OrderedDict[StoreKey, _Entry] = OrderedDict()
-        self._by_decode: dict[str, set[StoreKey]] = {}
-        # (expires_at, seq, key); an item is stale once its key holds another seq or nothing.
-        self._expiry: list[tuple[float, int, StoreKey]] = []
+        # conversation -> its handles, oldest first; conversations in LRU order, per tenant too
+        self._convs: OrderedDict[StoreKey, OrderedDict[str, _Entry]] = OrderedDict()
+        self._tenants: dict[str, OrderedDict[StoreKey, None]] = {}
+        self._tenant_count: dict[str, int] = {}
+        self._count = 0
+        self._by_decode: dict[str, set[_Slot]] = {}
+        # (expires_at, seq, key, id); an item is stale once its slot holds another seq or nothing.
+        self._expiry: list[tuple[float, int, StoreKey, str]] = []
         self._seq = 0
 
     @property
     def max_entries(self) -> int:
         return self._max_entries
 
-    async def put(self, key: StoreKey, handle: StoredHandle, ttl_s: float) -> list[StoredHandle]:
-        _check_ttl(ttl_s)
+    async def put(
+        self, key: StoreKey, handle: StoredHandle, ttl_s: float, *, age_s: float = 0.0
+    ) -> list[StoredHandle]:
+        check_ttl(ttl_s)
         now = self._clock()
         self._purge(now)
-        displaced: list[StoredHandle] = []
-        old = self._remove(key)
-        if old is not None:  # live: _purge just removed every expired entry
-            displaced.append(old.handle)
+        stored_at = now - max(0.0, age_s)
+        if stored_at + ttl_s <= now:
+            return []
+        self._remove(key, handle.id)
         self._seq += 1
-        entry = _Entry(handle, stored_at=now, expires_at=now + ttl_s, seq=self._seq)
-        self._entries[key] = entry
-        self._by_decode.setdefault(handle.decode_url, set()).add(key)
-        heapq.heappush(self._expiry, (entry.expires_at, entry.seq, key))
-        while len(self._entries) > self._max_entries:
-            lru_key = next(iter(self._entries))
-            evicted = self._remove(lru_key)
-            assert evicted is not None
-            displaced.append(evicted.handle)
+        entry = _Entry(handle, stored_at, stored_at + ttl_s, self._seq)
+        conv = self._convs.get(key)
+        if conv is None:
+            conv = self._convs[key] = OrderedDict()
+        conv[handle.id] = entry
+        self._convs.move_to_end(key)
+        tenant = self._tenants.setdefault(key[0], OrderedDict())
+        tenant[key] = None
+        tenant.move_to_end(key)
+        self._count += 1
+        self._tenant_count[key[0]] = self._tenant_count.get(key[0], 0) + 1
+        self._by_decode.setdefault(handle.decode_url, set()).add((key, handle.id))
+        heapq.heappush(self._expiry, (entry.expires_at, entry.seq, key, handle.id))
+        displaced: list[StoredHandle] = []
+        while len(conv) > self._per_conversation:
+            displaced.append(self._pop_oldest(key))
+        while self._tenant_count[key[0]] > self._per_tenant:
+            displaced.append(self._pop_oldest(next(iter(self._tenants[key[0]]))))
+        while self._count > self._max_entries:
+            displaced.append(self._pop_oldest(next(iter(self._convs))))
         self._compact()
         return displaced
 
-    async def take(self, key: StoreKey) -> Taken | None:
+    async def candidates(self, key: StoreKey) -> list[Taken]:
         now = self._clock()
-        entry = self._entries.get(key)
-        if entry is None:
+        conv = self._convs.get(key)
+        if not conv:
+            return []
+        return [
+            Taken(e.handle, age_s=max(0.0, now - e.stored_at))
+            for e in reversed(conv.values())
+            if now < e.expires_at
+        ]
+
+    async def take(self, key: StoreKey, handle_id: str | None = None) -> Taken | None:
+        now = self._clock()
+        conv = self._convs.get(key)
+        if not conv:
             return None
-        self._remove(key)
-        if now >= entry.expires_at:
+        if handle_id is None:
+            live = [i for i, e in conv.items() if now < e.expires_at]
+            if not live:
+                return None
+            handle_id = live[-1]
+        entry = self._remove(key, handle_id)
+        if entry is None or now >= entry.expires_at:
             return None
         return Taken(entry.handle, age_s=max(0.0, now - entry.stored_at))
 
-    async def delete(self, key: StoreKey) -> StoredHandle | None:
+    async def delete(self, key: StoreKey) -> list[StoredHandle]:
         now = self._clock()
-        entry = self._remove(key)
-        if entry is None or now >= entry.expires_at:
-            return None
-        return entry.handle
+        conv = self._convs.get(key)
+        out: list[StoredHandle] = []
+        for handle_id in list(conv or ()):
+            entry = self._remove(key, handle_id)
+            if entry is not None and now < entry.expires_at:
+                out.append(entry.handle)
+        return out
 
     async def drop_decode(self, decode_url: str) -> int:
         now = self._clock()
         dropped = 0
-        for key in list(self._by_decode.get(decode_url, ())):
-            entry = self._remove(key)
+        for key, handle_id in list(self._by_decode.get(decode_url, ())):
+            entry = self._remove(key, handle_id)
             if entry is not None and now < entry.expires_at:
                 dropped += 1
         return dropped
 
     async def size(self) -> int:
         self._purge(self._clock())
-        return len(self._entries)
+        return self._count
 
     async def aclose(self) -> None:
-        self._entries.clear()
+        self._convs.clear()
+        self._tenants.clear()
+        self._tenant_count.clear()
         self._by_decode.clear()
         self._expiry.clear()
+        self._count = 0
 
-    def _remove(self, key: StoreKey) -> _Entry | None:
-        entry = self._entries.pop(key, None)
-        if entry is not None:
-            keys = self._by_decode.get(entry.handle.decode_url)
+    def _pop_oldest(self, key: StoreKey) -> StoredHandle:
+        handle_id = next(iter(self._convs[key]))
+        entry = self._remove(key, handle_id)
+        assert entry is not None
+        return entry.handle
+
+    def _remove(self, key: StoreKey, handle_id: str) -> _Entry | None:
+        conv = self._convs.get(key)
+        entry = conv.pop(handle_id, None) if conv is not None else None
+        if entry is None:
+            return None
+        self._count -= 1
+        tenant = key[0]
+        self._tenant_count[tenant] -= 1
+        if not self._tenant_count[tenant]:
+            del self._tenant_count[tenant]
+        if not conv:
+            del self._convs[key]
+            keys = self._tenants.get(tenant)
             if keys is not None:
-                keys.discard(key)
+                keys.pop(key, None)
                 if not keys:
-                    del self._by_decode[entry.handle.decode_url]
+                    del self._tenants[tenant]
+        slots = self._by_decode.get(entry.handle.decode_url)
+        if slots is not None:
+            slots.discard((key, handle_id))
+            if not slots:
+                del self._by_decode[entry.handle.decode_url]
         return entry
 
     def _purge(self, now: float) -> None:
         while self._expiry and self._expiry[0][0] <= now:
-            _, seq, key = heapq.heappop(self._expiry)
-            entry = self._entries.get(key)
+            _, seq, key, handle_id = heapq.heappop(self._expiry)
+            conv = self._convs.get(key)
+            entry = conv.get(handle_id) if conv is not None else None
             if entry is not None and entry.seq == seq:
-                self._remove(key)
+                self._remove(key, handle_id)
 
     def _compact(self) -> None:
         """Keep the expiry heap proportional to the live entries (taken and overwritten entries
         leave stale items behind until their expiry time)."""
-        if len(self._expiry) > 2 * len(self._entries) + 1024:
-            self._expiry = [(e.expires_at, e.seq, k) for k, e in self._entries.items()]
+        if len(self._expiry) > 2 * self._count + 1024:
+            self._expiry = [
+                (e.expires_at, e.seq, k, i)
+                for k, conv in self._convs.items()
+                for i, e in conv.items()
+            ]
             heapq.heapify(self._expiry)
-
-
-# --------------------------------------------------------------------------------------------
-# Redis
-
-# Atomic get-and-delete that also reports the remaining TTL (ms): the basis of take() and delete().
-# GET + PTTL + DEL rather than GETDEL so the TTL is read in the same atomic step. A missing or
-# expired key returns nil (Redis expires keys on access, by its own clock).
-_TAKE_LUA = """
-local v = redis.call('GET', KEYS[1])
-if not v then return false end
-local ttl = redis.call('PTTL', KEYS[1])
-redis.call('DEL', KEYS[1])
-return {v, ttl}
-"""
-
-# Compare-and-delete, per key: delete KEYS[i] only if it still holds ARGV[i] (drop_decode must not
-# drop a handle that another replica has just stored for another D under the same key).
-_DROP_IF_UNCHANGED_LUA = """
-local n = 0
-for i, k in ipairs(KEYS) do
-  if redis.call('GET', k) == ARGV[i] then
-    redis.call('DEL', k)
-    n = n + 1
-  end
-end
-return n
-"""
-
-_SCAN_COUNT = 1000
-
-
-def _escape_part(part: str) -> str:
-    """Make a tenant or conversation id safe between ':' separators (injective)."""
-    return part.replace("%", "%25").replace(":", "%3A")
-
-
-def _glob_escape(text: str) -> str:
-    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
-
-
-def _as_bytes(value: bytes | str) -> bytes:
-    return value.encode() if isinstance(value, str) else value
-
-
-def _pack(handle: StoredHandle, ttl_ms: int) -> bytes:
-    return b"%d " % ttl_ms + handle.to_json()
-
-
-def _unpack(raw: bytes | str) -> tuple[int, StoredHandle] | None:
-    """``(ttl_ms, handle)``, or ``None`` (logged) for a value this router cannot read."""
-    data = _as_bytes(raw)
-    head, sep, body = data.partition(b" ")
-    try:
-        if not sep or not head.isdigit():
-            raise ValueError("stored value lacks its '<ttl_ms> ' header")
-        return int(head), StoredHandle.from_json(body)
-    except ValueError as e:
-        log.warning("ignoring an unreadable handle in Redis: %s", e)
-        return None
-
-
-class RedisStore:
-    """Several router replicas' shared store, on Redis >= 6.2.
-
-    Layout: key ``f"{prefix}h:{tenant}:{conversation_id}"`` (``%`` and ``:`` in the parts escaped
-    as ``%25`` and ``%3A``), value ``b"<ttl_ms> " + StoredHandle.to_json()``, expiry ``PX ttl_ms``.
-    The stored ttl and the key's ``PTTL`` give a handle's age on Redis's clock, which all replicas
-    share.
-
-    - ``put``: ``SET key value PX ttl GET``, one command, returns the handle it overwrote (an
-      expired one reads as absent). No LRU: bound memory with Redis's ``maxmemory`` and a
-      ``volatile-*`` eviction policy (every key here has a TTL); an evicted handle's blocks are
-      freed by D's own TTL.
-    - ``take``/``delete``: one Lua script (GET, PTTL, DEL), atomic on the server, so of any number
-      of replicas racing on one key exactly one gets the handle.
-    - ``drop_decode``: ``SCAN MATCH {prefix}h:* COUNT 1000`` (no index to keep in sync, never blocks
-      Redis; a D dying is rare, so the O(keys) walk is fine), then a compare-and-delete script per
-      batch so a handle re-stored for another D in the meantime is kept.
-    - ``size``: the same SCAN walk, counting.
-
-    ``client``: an existing ``redis.asyncio.Redis`` (then ``url`` is not used and ``aclose`` leaves
-    the client open); otherwise one is made from ``url`` and closed by ``aclose``.
-    """
-
-    def __init__(
-        self,
-        url: str,
-        *,
-        prefix: str = "agentkv:",
-        client: redis.asyncio.Redis | None = None,
-    ) -> None:
-        try:
-            import redis.asyncio as aioredis
-        except ImportError as e:
-            raise ImportError(_REDIS_EXTRA_HINT) from e
-        self._prefix = prefix
-        self._owns_client = client is None
-        self._client: redis.asyncio.Redis = (
-            aioredis.Redis.from_url(url) if client is None else client
-        )
-        self._take_script = self._client.register_script(_TAKE_LUA)
-        self._drop_script = self._client.register_script(_DROP_IF_UNCHANGED_LUA)
-
-    @property
-    def client(self) -> redis.asyncio.Redis:
-        return self._client
-
-    def key(self, key: StoreKey) -> str:
-        """The Redis key under which ``key``'s handle lives."""
-        tenant, conversation_id = key
-        return f"{self._prefix}h:{_escape_part(tenant)}:{_escape_part(conversation_id)}"
-
-    async def put(self, key: StoreKey, handle: StoredHandle, ttl_s: float) -> list[StoredHandle]:
-        _check_ttl(ttl_s)
-        ttl_ms = max(1, round(ttl_s * 1000))
-        old = await self._client.set(self.key(key), _pack(handle, ttl_ms), px=ttl_ms, get=True)
-        if not isinstance(old, (bytes, str)):
-            return []
-        unpacked = _unpack(old)
-        return [] if unpacked is None else [unpacked[1]]
-
-    async def take(self, key: StoreKey) -> Taken | None:
-        got = await self._take(key)
-        if got is None:
-            return None
-        raw, pttl_ms = got
-        unpacked = _unpack(raw)
-        if unpacked is None:
-            return None
-        ttl_ms, handle = unpacked
-        # PTTL is -1 for a key without expiry (never written so by this store): age unknown, 0.
-        age_ms = ttl_ms - pttl_ms if pttl_ms >= 0 else 0
-        return Taken(handle, age_s=max(0, age_ms) / 1000)
-
-    async def delete(self, key: StoreKey) -> StoredHandle | None:
-        got = await self._take(key)
-        if got is None:
-            return None
-        unpacked = _unpack(got[0])
-        return None if unpacked is None else unpacked[1]
-
-    async def drop_decode(self, decode_url: str) -> int:
-        dropped = 0
-        async for keys in self._scan():
-            values = await self._client.mget(keys)
-            doomed_keys: list[bytes] = []
-            doomed_values: list[bytes] = []
-            for k, raw in zip(keys, values, strict=True):
-                if raw is None:
-                    continue
-                unpacked = _unpack(raw)
-                if unpacked is not None and unpacked[1].decode_url == decode_url:
-                    doomed_keys.append(k)
-                    doomed_values.append(_as_bytes(raw))
-            if doomed_keys:
-                dropped += int(await self._drop_script(keys=doomed_keys, args=doomed_values))
-        return dropped
-
-    async def size(self) -> int:
-        seen: set[bytes] = set()
-        async for keys in self._scan():
-            seen.update(keys)
-        return len(seen)
-
-    async def aclose(self) -> None:
-        if self._owns_client:
-            await self._client.aclose()
-
-    async def _take(self, key: StoreKey) -> tuple[bytes | str, int] | None:
-        got = await self._take_script(keys=[self.key(key)])
-        if got is None:
-            return None
-        raw, pttl_ms = got
-        return raw, int(pttl_ms)
-
-    async def _scan(self) -> AsyncIterator[list[bytes]]:
-        """Batches of this store's handle keys (SCAN may repeat a key; callers cope)."""
-        pattern = _glob_escape(self._prefix) + "h:*"
-        cursor = 0
-        while True:
-            cursor, keys = await self._client.scan(cursor, match=pattern, count=_SCAN_COUNT)
-            if keys:
-                yield [_as_bytes(k) for k in keys]
-            if cursor == 0:
-                return
 
 
 def make_store(
     url: str | None = None,
     *,
     max_entries: int = 100_000,
+    max_entries_per_tenant: int | None = None,
+    per_conversation: int = DEFAULT_PER_CONVERSATION,
     clock: Callable[[], float] = time.monotonic,
     prefix: str = "agentkv:",
 ) -> HandleStore:
     """The store a router configuration names: ``None`` or ``"memory"`` for a :class:`MemoryStore`
-    (``max_entries``, ``clock``), a ``redis://``, ``rediss://`` or ``unix://`` URL for a
-    :class:`RedisStore` (``prefix``; Redis bounds itself, so ``max_entries`` does not apply)."""
+    (``max_entries``, ``max_entries_per_tenant``, ``clock``), a ``redis://``, ``rediss://`` or
+    ``unix://`` URL for a :class:`~agentkv.router.redis_store.RedisStore` (``prefix``; Redis bounds
+    itself, so the entry bounds do not apply). Both keep ``per_conversation`` handles per
+    conversation."""
     if url is None or url == "memory":
-        return MemoryStore(max_entries=max_entries, clock=clock)
+        return MemoryStore(
+            max_entries=max_entries,
+            max_entries_per_tenant=max_entries_per_tenant,
+            per_conversation=per_conversation,
+            clock=clock,
+        )
     if url.startswith(("redis://", "rediss://", "unix://")):
-        return RedisStore(url, prefix=prefix)
+        from agentkv.router.redis_store import RedisStore
+
+        return RedisStore(url, prefix=prefix, per_conversation=per_conversation)
     raise ValueError(f"unknown handle store {url!r}: use 'memory' or a redis:// URL")

@@ -2,8 +2,14 @@
 
 After a turn the router records, with D's handle, the chained hashes of the full blocks D holds
 (the prompt + the generated ids, ``remote_num_tokens`` of them) and the few tokens after the
-last full block. On the next turn it hashes the new prompt the same way; the handle is valid
-for the longest run of equal blocks, and for all of it only when the tail tokens agree too.
+last full block. The chain starts from a root that includes the model and the effective cache
+salt, so a handle never verifies for a prompt under another salt. On a later turn the router
+hashes the new prompt the same way; a handle is valid for the longest run of equal blocks, and
+for all of it only when the tail tokens agree too.
+
+The epoch is a hint, not a gate: every candidate is verified whatever its epoch, and the epoch
+only says *why* a handle was cut (``rewrite``: the client announced a new history; ``drift``:
+it did not).
 """
 
 from __future__ import annotations
@@ -12,39 +18,80 @@ import hashlib
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
-from agentkv.router.store import StoredHandle
+from agentkv.protocol import KVTransferParams
+from agentkv.router.store import StoredHandle, Taken
 
-__all__ = ["Plan", "chain_hashes", "held_record", "plan_reuse", "verified_tokens"]
+__all__ = [
+    "Plan",
+    "PromptHashes",
+    "chain_hashes",
+    "hash_root",
+    "held_record",
+    "plan_reuse",
+    "verified_tokens",
+]
 
 Decision = Literal["pull", "recompute", "miss", "stale", "expired", "local"]
+Cause = Literal["rewrite", "drift"]
 
 
-def chain_hashes(ids: Sequence[int], block_size: int) -> list[str]:
-    """Hex chained hashes of every full block of ``ids``."""
+def hash_root(model: str | None, cache_salt: str | None) -> bytes:
+    """The first parent of every hash chain: model and effective salt (tenant + request)."""
+    seed = f"agentkv-v2\x00{model or ''}\x00{cache_salt or ''}".encode()
+    return hashlib.blake2b(seed, digest_size=12).digest()
+
+
+def chain_hashes(ids: Sequence[int], block_size: int, root: bytes = b"") -> list[str]:
+    """Hex chained hashes of every full block of ``ids``, starting from ``root``."""
+    data = array("q", ids).tobytes()
+    step = block_size * 8
     out: list[str] = []
-    parent = b""
-    for start in range(0, len(ids) - block_size + 1, block_size):
-        block = array("q", ids[start : start + block_size]).tobytes()
-        parent = hashlib.blake2b(parent + block, digest_size=12).digest()
+    parent = root
+    for start in range(0, len(data) - step + 1, step):
+        parent = hashlib.blake2b(parent + data[start : start + step], digest_size=12).digest()
         out.append(parent.hex())
     return out
 
 
+class PromptHashes:
+    """One prompt's block hashes, computed once per turn and only as far as they are needed."""
+
+    def __init__(self, prompt: Sequence[int], block_size: int, root: bytes) -> None:
+        self.prompt, self.block_size, self.root = prompt, block_size, root
+        self._hashes: list[str] = []
+
+    def upto(self, blocks: int) -> list[str]:
+        """The first ``blocks`` hashes (fewer when the prompt is shorter)."""
+        have = len(self._hashes)
+        if blocks > have:
+            bs = self.block_size
+            parent = bytes.fromhex(self._hashes[-1]) if self._hashes else self.root
+            more = self.prompt[have * bs : blocks * bs]
+            self._hashes.extend(chain_hashes(more, bs, parent))
+        return self._hashes[:blocks]
+
+
 def held_record(
-    held: Sequence[int], num_tokens: int, block_size: int
+    held: Sequence[int], num_tokens: int, block_size: int, root: bytes = b""
 ) -> tuple[list[str], list[int]]:
     """(block hashes, tail tokens) of the first ``num_tokens`` of ``held``."""
     held = held[:num_tokens]
     full = len(held) // block_size * block_size
-    return chain_hashes(held[:full], block_size), list(held[full:])
+    return chain_hashes(held[:full], block_size, root), list(held[full:])
 
 
-def verified_tokens(handle: StoredHandle, prompt: Sequence[int]) -> int:
-    """How many leading tokens of ``prompt`` the handle's blocks hold exactly."""
+def verified_tokens(
+    handle: StoredHandle, prompt: Sequence[int] | PromptHashes, root: bytes = b""
+) -> int:
+    """How many leading tokens of ``prompt`` the handle's blocks hold exactly (0 under another
+    root: another model or salt)."""
     bs = handle.block_size
-    mine = chain_hashes(prompt[: len(handle.block_hashes) * bs], bs)
+    hashes = prompt if isinstance(prompt, PromptHashes) else PromptHashes(prompt, bs, root)
+    if hashes.block_size != bs or handle.root != hashes.root.hex():
+        return 0
+    mine = hashes.upto(len(handle.block_hashes))
     k = 0
     for a, b in zip(mine, handle.block_hashes, strict=False):
         if a != b:
@@ -52,7 +99,8 @@ def verified_tokens(handle: StoredHandle, prompt: Sequence[int]) -> int:
         k += 1
     if k < len(handle.block_hashes):
         return k * bs
-    tail = list(prompt[k * bs : k * bs + len(handle.tail_tokens)])
+    tokens = hashes.prompt
+    tail = list(tokens[k * bs : k * bs + len(handle.tail_tokens)])
     if tail == handle.tail_tokens:
         return min(handle.num_tokens, k * bs + len(tail))
     return k * bs
@@ -63,19 +111,29 @@ class Plan:
     """What to attach to P's request for one turn."""
 
     decision: Decision
-    params: dict[str, Any] | None
+    params: KVTransferParams | None
     """The handle to send P (None: send no handle)."""
-    reused_tokens: int
-    """Tokens P may read from D (``remote_num_tokens`` attached)."""
+    attached_tokens: int
+    """``remote_num_tokens`` attached: what D offers for this prompt (C, block-trimmed)."""
     verified_tokens: int
+    """C: what the chosen handle holds of this prompt."""
     release: bool
     """True when ``params`` only releases D's blocks (``remote_num_tokens: 0``)."""
+    taken: Taken | None = None
+    """The stored handle this plan spends (None: nothing is taken from the store)."""
+    cause: Cause | None = None
+    """Why less than the whole handle is used: the client's rewrite or unannounced drift."""
+    expired: tuple[Taken, ...] = ()
+    """Candidates too close to D's TTL: removed from the store without a release."""
+
+    def without_handle(self, decision: Decision = "recompute") -> Plan:
+        """The same turn with nothing attached (a retry without the handle)."""
+        return Plan(decision, None, 0, self.verified_tokens, False, None, self.cause)
 
 
 def plan_reuse(
-    handle: StoredHandle | None,
-    age_s: float,
-    prompt: Sequence[int],
+    candidates: Sequence[Taken],
+    prompt: PromptHashes,
     *,
     epoch: int,
     router_ttl_s: float,
@@ -83,36 +141,49 @@ def plan_reuse(
     can_pull: bool,
     verify: bool = True,
 ) -> Plan:
-    """The reuse decision for one turn (DESIGN.md, "Verified reuse"); ``verify=False`` is vLLM's
-    example proxy (attach whatever the conversation has)."""
-    if handle is None:
+    """The reuse decision for one turn (DESIGN.md, "Verified reuse"): the candidate with the
+    longest verified prefix, trimmed to it; ``verify=False`` is vLLM's example proxy (attach the
+    newest handle without checking it)."""
+    live = [c for c in candidates if c.age_s < router_ttl_s]
+    expired = tuple(c for c in candidates if c.age_s >= router_ttl_s)
+    if not candidates:
         return Plan("miss", None, 0, 0, False)
-    if age_s >= router_ttl_s:
-        # Too close to D's TTL: an expired read hangs real vLLM 0.32; D reaps the blocks itself.
-        return Plan("expired", None, 0, 0, False)
+    if not live:
+        # Too close to D's TTL: an expired read hangs real vLLM; D reaps the blocks itself.
+        return Plan("expired", None, 0, 0, False, expired=expired)
     if not can_pull:
-        return Plan("local", None, 0, 0, False)
-    release = dict(
-        handle.params, do_remote_decode=True, do_remote_prefill=False, remote_num_tokens=0
-    )
+        return Plan("local", None, 0, 0, False, expired=expired)
     if not verify:
-        params = dict(handle.params, do_remote_decode=True, do_remote_prefill=False)
-        return Plan("pull", params, handle.num_tokens, 0, False)
-    if handle.epoch != epoch:
-        return Plan("stale", release, 0, 0, True)
-    verified = verified_tokens(handle, prompt)
-    if verified < max(threshold, 1):
-        return Plan(
-            "stale" if verified < handle.num_tokens else "recompute", release, 0, verified, True
-        )
-    params = dict(handle.params, do_remote_decode=True, do_remote_prefill=False)
+        newest = live[0]
+        params = _as_params(newest.handle.params).for_reading()
+        n = newest.handle.num_tokens
+        return Plan("pull", params, n, 0, False, newest, expired=expired)
+    scored = [(verified_tokens(c.handle, prompt), i, c) for i, c in enumerate(live)]
+    verified, _, best = max(scored, key=lambda s: (s[0], -s[1]))
+    handle = best.handle
+    cause: Cause | None = None
     if verified < handle.num_tokens:
-        k = verified // handle.block_size
-        params["remote_block_ids"] = [
-            list(g)[:k] for g in handle.params.get("remote_block_ids") or []
-        ]
-        params["remote_num_tokens"] = k * handle.block_size
-        verified = k * handle.block_size
-    if verified < max(threshold, 1):
-        return Plan("stale", release, 0, verified, True)
-    return Plan("pull", params, int(params["remote_num_tokens"]), verified, False)
+        cause = "rewrite" if handle.epoch != epoch else "drift"
+    k = verified // handle.block_size
+    attached = k * handle.block_size if verified < handle.num_tokens else verified
+    if attached >= max(threshold, 1):
+        params = _as_params(handle.params).for_reading()
+        if verified < handle.num_tokens:
+            params = params.trimmed(k, handle.block_size)
+        return Plan("pull", params, attached, verified, False, best, cause, expired)
+    release = _as_params(handle.params).for_reading().release_only()
+    if verified >= handle.num_tokens:
+        # All of it is a prefix of this prompt, but too little to read: this turn's own handle
+        # will hold all of it again, so free D's blocks now
+        return Plan("recompute", release, 0, verified, True, best, None, expired)
+    if handle.epoch < epoch:
+        # The client rewrote history past this handle and too little of it survives: free D's
+        # blocks now (a branch that is not this client's would verify more than this)
+        return Plan("stale", release, 0, verified, True, best, "rewrite", expired)
+    # Nothing here verifies enough: a new branch, or drift. The handles stay for their branches
+    # and are released when they are displaced.
+    return Plan("stale", None, 0, verified, False, None, cause, expired)
+
+
+def _as_params(raw: dict[str, object]) -> KVTransferParams:
+    return KVTransferParams.model_validate(raw)

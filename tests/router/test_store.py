@@ -14,10 +14,10 @@ from dataclasses import dataclass, replace
 
 import pytest
 
+from agentkv.router.redis_store import RedisStore
 from agentkv.router.store import (
     HandleStore,
     MemoryStore,
-    RedisStore,
     StoredHandle,
     StoreKey,
     make_store,
@@ -72,17 +72,31 @@ class Harness:
 
 @pytest.fixture(params=["memory", "redis"])
 async def h(request: pytest.FixtureRequest, anyio_backend: str) -> AsyncIterator[Harness]:
+    """One handle per conversation (the rules of one branch); :func:`hk` keeps three."""
+    async for harness in _harness(request, per_conversation=1):
+        yield harness
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def hk(request: pytest.FixtureRequest, anyio_backend: str) -> AsyncIterator[Harness]:
+    async for harness in _harness(request, per_conversation=3):
+        yield harness
+
+
+async def _harness(request: pytest.FixtureRequest, per_conversation: int) -> AsyncIterator[Harness]:
     store: HandleStore
     if request.param == "memory":
         clock = FakeClock()
-        store = MemoryStore(max_entries=1000, clock=clock)
+        store = MemoryStore(max_entries=1000, clock=clock, per_conversation=per_conversation)
 
         async def advance(s: float) -> None:
             clock.now += s
 
     else:
         url: str = request.getfixturevalue("redis_url")
-        store = RedisStore(url, prefix=f"test-{uuid.uuid4().hex}:")
+        store = RedisStore(
+            url, prefix=f"test-{uuid.uuid4().hex}:", per_conversation=per_conversation
+        )
 
         async def advance(s: float) -> None:
             await asyncio.sleep(s)
@@ -97,7 +111,8 @@ async def h(request: pytest.FixtureRequest, anyio_backend: str) -> AsyncIterator
 async def redis_pair(redis_url: str, anyio_backend: str) -> AsyncIterator[tuple[RedisStore, ...]]:
     """Two router replicas: two RedisStores with their own connections, one server, one prefix."""
     prefix = f"test-{uuid.uuid4().hex}:"
-    a, b = RedisStore(redis_url, prefix=prefix), RedisStore(redis_url, prefix=prefix)
+    a = RedisStore(redis_url, prefix=prefix, per_conversation=1)
+    b = RedisStore(redis_url, prefix=prefix, per_conversation=1)
     try:
         yield a, b
     finally:
@@ -204,12 +219,12 @@ async def test_awkward_ids_are_distinct_keys(h: Harness, k1: StoreKey, k2: Store
 
 async def test_delete(h: Harness) -> None:
     await h.store.put(K, handle(1), TTL)
-    assert await h.store.delete(K) == handle(1)
-    assert await h.store.delete(K) is None
+    assert await h.store.delete(K) == [handle(1)]
+    assert await h.store.delete(K) == []
     assert await h.store.take(K) is None
     await h.store.put(K, handle(2), SHORT_TTL)
     await h.advance(PAST_SHORT_TTL)
-    assert await h.store.delete(K) is None
+    assert await h.store.delete(K) == []
 
 
 async def test_drop_decode(h: Harness) -> None:
@@ -295,7 +310,7 @@ def test_from_json_rejects_malformed(data: bytes, match: str) -> None:
 
 
 async def test_memory_lru_evicts_least_recently_used(anyio_backend: str) -> None:
-    store = MemoryStore(max_entries=3, clock=FakeClock())
+    store = MemoryStore(max_entries=3, clock=FakeClock(), per_conversation=1)
     for i in range(3):
         assert await store.put(("t", str(i)), handle(i), TTL) == []
     # Re-storing "0" makes it the most recent, so "1" is now the least recently used.
@@ -339,7 +354,7 @@ async def test_memory_expiry_is_exact_on_the_clock(anyio_backend: str) -> None:
 
 async def test_memory_stays_bounded_under_churn(anyio_backend: str) -> None:
     clock = FakeClock()
-    store = MemoryStore(max_entries=50, clock=clock)
+    store = MemoryStore(max_entries=50, clock=clock, per_conversation=1)
     displaced = 0
     for i in range(5000):
         displaced += len(await store.put(("t", str(i % 200)), handle(i), TTL))
@@ -387,11 +402,15 @@ async def test_redis_layout(redis_url: str, anyio_backend: str) -> None:
     store = RedisStore(redis_url, prefix="layout:")
     try:
         await store.put(("ten:ant", "conv%1"), handle(1), 30.0)
-        key = "layout:h:ten%3Aant:conv%251"
-        assert store.key(("ten:ant", "conv%1")) == key
+        key = f"layout:h:ten%3Aant:conv%251:{handle(1).id}"
+        assert store.key(("ten:ant", "conv%1"), handle(1).id) == key
+        assert store.index_key(("ten:ant", "conv%1")) == "layout:i:ten%3Aant:conv%251"
         raw = await store.client.get(key)
         assert raw == b"30000 " + handle(1).to_json()
         assert 29_000 < await store.client.pttl(key) <= 30_000
+        assert await store.client.zrange("layout:i:ten%3Aant:conv%251", 0, -1) == [
+            handle(1).id.encode()
+        ]
         await store.delete(("ten:ant", "conv%1"))
         assert await store.client.exists(key) == 0
     finally:
@@ -421,7 +440,7 @@ async def test_redis_drop_decode_and_size_walk_many_keys(
     pipe = a.client.pipeline(transaction=False)
     for i in range(2500):
         h = handle(i, decode="http://dead:1" if i % 2 else "http://alive:1")
-        pipe.set(a.key(("t", str(i))), b"60000 " + h.to_json(), px=60_000)
+        pipe.set(a.key(("t", str(i)), h.id), b"60000 " + h.to_json(), px=60_000)
     await pipe.execute()
     assert await a.size() == 2500
     assert await a.drop_decode("http://dead:1") == 1250
@@ -432,12 +451,14 @@ async def test_redis_unreadable_value_reads_as_absent(
     redis_pair: tuple[RedisStore, ...], caplog: pytest.LogCaptureFixture
 ) -> None:
     a, _ = redis_pair
-    await a.client.set(a.key(K), b"garbage", px=60_000)
+    await a.client.set(a.key(K, "bad"), b"garbage", px=60_000)
+    await a.client.zadd(a.index_key(K), {"bad": 1})
     with caplog.at_level(logging.WARNING, logger="agentkv.router"):
-        assert await a.take(K) is None
+        assert await a.candidates(K) == []
+        assert await a.take(K, "bad") is None
     assert "unreadable handle" in caplog.text
-    assert await a.client.exists(a.key(K)) == 0  # taken all the same: never read twice
-    await a.client.set(a.key(K), b'60000 {"v": 2}', px=60_000)
+    assert await a.client.exists(a.key(K, "bad")) == 0  # taken all the same: never read twice
+    await a.client.set(a.key(K, handle(1).id), b'60000 {"v": 1}', px=60_000)
     assert await a.put(K, handle(1), TTL) == []
 
 
@@ -469,7 +490,7 @@ async def test_make_store_redis(anyio_backend: str) -> None:
     # No server needed: the client connects on first use.
     store = make_store("redis://127.0.0.1:1/0", prefix="x:")
     assert isinstance(store, RedisStore)
-    assert store.key(("t", "c")) == "x:h:t:c"
+    assert store.key(("t", "c"), "id") == "x:h:t:c:id"
     await store.aclose()
 
 
@@ -481,7 +502,7 @@ def test_make_store_rejects_unknown() -> None:
 def test_missing_redis_library_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "redis", None)
     monkeypatch.setitem(sys.modules, "redis.asyncio", None)
-    with pytest.raises(ImportError, match=r'pip install "agentkv\[redis\]"'):
+    with pytest.raises(ImportError, match=r'pip install "vllm-agentkv\[redis\]"'):
         make_store("redis://127.0.0.1:1/0")
 
 
@@ -492,3 +513,70 @@ def test_store_module_imports_without_redis() -> None:
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+# --- K handles per conversation (branches) ----------------------------------------------------
+
+
+async def test_branches_keep_up_to_k_and_release_the_oldest(hk: Harness) -> None:
+    for i in range(3):
+        assert await hk.store.put(K, handle(i), TTL) == []
+    assert await hk.store.put(K, handle(3), TTL) == [handle(0)]
+    live = await hk.store.candidates(K)
+    assert [c.handle for c in live] == [handle(3), handle(2), handle(1)]  # newest first
+    assert await hk.store.size() == 3
+
+
+async def test_take_one_branch_leaves_the_others(hk: Harness) -> None:
+    for i in range(3):
+        await hk.store.put(K, handle(i), TTL)
+    taken = await hk.store.take(K, handle(1).id)
+    assert taken is not None and taken.handle == handle(1)
+    assert await hk.store.take(K, handle(1).id) is None
+    assert [c.handle for c in await hk.store.candidates(K)] == [handle(2), handle(0)]
+
+
+async def test_put_back_keeps_the_age(hk: Harness) -> None:
+    await hk.store.put(K, handle(1), TTL)
+    await hk.advance(0.2)
+    taken = await hk.store.take(K)
+    assert taken is not None
+    await hk.store.put(K, taken.handle, TTL, age_s=taken.age_s)
+    again = await hk.store.take(K)
+    assert again is not None and again.age_s >= 0.19
+
+
+async def test_put_back_past_its_ttl_is_dropped(hk: Harness) -> None:
+    assert await hk.store.put(K, handle(1), 1.0, age_s=2.0) == []
+    assert await hk.store.candidates(K) == []
+
+
+async def test_delete_returns_every_branch(hk: Harness) -> None:
+    for i in range(2):
+        await hk.store.put(K, handle(i), TTL)
+    assert sorted(h.id for h in await hk.store.delete(K)) == sorted([handle(0).id, handle(1).id])
+    assert await hk.store.size() == 0
+
+
+async def test_redis_racing_replicas_take_one_branch_once(redis_url: str, anyio_backend: str) -> None:
+    prefix = f"test-{uuid.uuid4().hex}:"
+    a, b = RedisStore(redis_url, prefix=prefix), RedisStore(redis_url, prefix=prefix)
+    try:
+        for i in range(3):
+            await a.put(K, handle(i), TTL)
+        results = await asyncio.gather(*(s.take(K, handle(1).id) for s in (a, b, a, b)))
+        assert [t.handle for t in results if t is not None] == [handle(1)]
+        assert len(await b.candidates(K)) == 2
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+async def test_memory_tenant_quota_evicts_only_that_tenant(anyio_backend: str) -> None:
+    store = MemoryStore(max_entries=100, max_entries_per_tenant=5, clock=FakeClock())
+    await store.put(("victim", "c"), handle(99), TTL)
+    evicted = []
+    for i in range(25):
+        evicted += await store.put(("noisy", f"c{i}"), handle(i), TTL)
+    assert len(evicted) == 20 and all(h.params["remote_request_id"] != "req-99" for h in evicted)
+    assert await store.take(("victim", "c")) is not None

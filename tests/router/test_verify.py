@@ -4,32 +4,45 @@ from __future__ import annotations
 
 import pytest
 
-from agentkv.router.store import StoredHandle
-from agentkv.router.verify import chain_hashes, held_record, plan_reuse, verified_tokens
+from agentkv.router.store import StoredHandle, Taken
+from agentkv.router.verify import (
+    PromptHashes,
+    chain_hashes,
+    hash_root,
+    held_record,
+    plan_reuse,
+    verified_tokens,
+)
 
 BS = 4
 HELD = list(range(100, 122))  # 22 tokens: 5 full blocks + 2
+ROOT = hash_root("m", None)
 
 
-def handle(epoch: int = 0, num: int = 22) -> StoredHandle:
-    hashes, tail = held_record(HELD, num, BS)
+def handle(
+    epoch: int = 0, num: int = 22, held: list[int] = HELD, root: bytes = ROOT, req: str = "r"
+) -> StoredHandle:
+    hashes, tail = held_record(held, num, BS, root)
     params = {
         "do_remote_decode": True,
         "remote_block_ids": [list(range(1, 7))],
         "remote_engine_id": "d",
-        "remote_request_id": "r",
+        "remote_request_id": req,
         "remote_host": "h",
         "remote_port": 1,
         "remote_num_tokens": num,
+        "remote_registration_generation": 3,
     }
-    return StoredHandle(params, hashes, tail, num, BS, epoch, "http://d")
+    return StoredHandle(params, hashes, tail, num, BS, epoch, "http://d", root.hex())
 
 
-def plan(prompt, h=None, age=0.0, epoch=0, threshold=4, can_pull=True, verify=True):
+def plan(
+    prompt, h=None, age=0.0, epoch=0, threshold=4, can_pull=True, verify=True, root=ROOT, more=()
+):
+    candidates = [Taken(h if h is not None else handle(), age), *more]
     return plan_reuse(
-        h if h is not None else handle(),
-        age,
-        prompt,
+        candidates,
+        PromptHashes(prompt, BS, root),
         epoch=epoch,
         router_ttl_s=450,
         threshold=threshold,
@@ -38,44 +51,112 @@ def plan(prompt, h=None, age=0.0, epoch=0, threshold=4, can_pull=True, verify=Tr
     )
 
 
+def wire(p):
+    return p.params.to_wire()
+
+
 def test_chain_hashes_depend_on_everything_before():
     a, b = chain_hashes([1, 2, 3, 4, 5, 6, 7, 8], BS), chain_hashes([0, 2, 3, 4, 5, 6, 7, 8], BS)
     assert a[0] != b[0] and a[1] != b[1]
 
 
+def test_chain_hashes_depend_on_the_root():
+    ids = [1, 2, 3, 4]
+    assert chain_hashes(ids, BS, hash_root("m", "s1")) != chain_hashes(ids, BS, hash_root("m", "s2"))
+    assert chain_hashes(ids, BS, hash_root("a", None)) != chain_hashes(ids, BS, hash_root("b", None))
+
+
+def test_prompt_hashes_extend_lazily_and_agree():
+    prompt = list(range(50))
+    lazy = PromptHashes(prompt, BS, ROOT)
+    assert lazy.upto(3) == chain_hashes(prompt[:12], BS, ROOT)
+    assert lazy.upto(12) == chain_hashes(prompt, BS, ROOT)
+    assert lazy.upto(99) == chain_hashes(prompt, BS, ROOT)
+
+
 def test_extension_is_verified_in_full():
     p = plan([*HELD, 7, 7, 7])
-    assert (p.decision, p.reused_tokens, p.verified_tokens) == ("pull", 22, 22)
-    assert p.params["remote_block_ids"] == [list(range(1, 7))]
+    assert (p.decision, p.attached_tokens, p.verified_tokens, p.cause) == ("pull", 22, 22, None)
+    assert wire(p)["remote_block_ids"] == [list(range(1, 7))]
+    # unknown fields pass through whole (vLLM 0.33's registration generation)
+    assert wire(p)["remote_registration_generation"] == 3
+    assert wire(p)["do_remote_decode"] is True and wire(p)["do_remote_prefill"] is False
 
 
 def test_tail_mismatch_trims_to_full_blocks():
     p = plan([*HELD[:21], 0, 9])
-    assert (p.decision, p.reused_tokens) == ("pull", 20)
-    assert (
-        p.params["remote_block_ids"] == [list(range(1, 6))] and p.params["remote_num_tokens"] == 20
-    )
+    assert (p.decision, p.attached_tokens, p.cause) == ("pull", 20, "drift")
+    assert wire(p)["remote_block_ids"] == [list(range(1, 6))] and wire(p)["remote_num_tokens"] == 20
 
 
 def test_rewrite_in_the_middle_trims_to_the_common_prefix():
     prompt = [*HELD[:9], 0, *HELD[10:], 5]
     p = plan(prompt)
-    assert p.reused_tokens == 8 and p.params["remote_block_ids"] == [[1, 2]]
+    assert p.attached_tokens == 8 and wire(p)["remote_block_ids"] == [[1, 2]]
 
 
 def test_shorter_prompt_never_reads_past_it():
-    assert verified_tokens(handle(), HELD[:10]) == 8
-    assert plan(HELD[:10]).reused_tokens == 8
+    assert verified_tokens(handle(), PromptHashes(HELD[:10], BS, ROOT)) == 8
+    assert plan(HELD[:10]).attached_tokens == 8
 
 
-def test_too_little_left_releases():
+def test_too_little_left_of_the_same_epoch_is_kept_for_its_branch():
     p = plan([0, *HELD])
-    assert p.decision == "stale" and p.release and p.params["remote_num_tokens"] == 0
+    assert p.decision == "stale" and p.params is None and p.taken is None
 
 
-def test_epoch_change_releases_without_verifying():
-    p = plan([*HELD, 1], h=handle(epoch=0), epoch=1)
-    assert p.decision == "stale" and p.release and p.verified_tokens == 0
+def test_too_little_left_after_a_rewrite_releases():
+    p = plan([0, *HELD], h=handle(epoch=0), epoch=1)
+    assert p.decision == "stale" and p.release and wire(p)["remote_num_tokens"] == 0
+    assert p.cause == "rewrite" and p.taken is not None
+
+
+def test_epoch_change_keeps_the_verified_prefix():
+    # the epoch is a hint: a rewrite that kept the first 3 blocks still pulls them
+    prompt = [*HELD[:12], 0, 0, 0, 0, 5]
+    p = plan(prompt, h=handle(epoch=0), epoch=1)
+    assert (p.decision, p.attached_tokens, p.verified_tokens, p.cause) == ("pull", 12, 12, "rewrite")
+    assert wire(p)["remote_block_ids"] == [[1, 2, 3]]
+
+
+def test_a_handle_that_is_all_prefix_but_below_the_threshold_is_released():
+    small = handle(num=6)
+    p = plan([*HELD[:6], 1, 2, 3], h=small, threshold=8)
+    assert p.decision == "recompute" and p.release and p.taken is not None
+
+
+def test_another_salt_never_verifies():
+    other = hash_root("m", "tenant-b")
+    p = plan([*HELD, 1], root=other)
+    assert p.verified_tokens == 0 and p.params is None
+    assert verified_tokens(handle(), PromptHashes([*HELD, 1], BS, other)) == 0
+
+
+def test_another_model_never_verifies():
+    assert plan([*HELD, 1], root=hash_root("other-model", None)).verified_tokens == 0
+
+
+def test_tiny_handle_under_another_salt_never_verifies_by_its_tail():
+    tiny = handle(num=3)  # no full block: only the tail tokens
+    assert verified_tokens(tiny, PromptHashes(HELD, BS, hash_root("m", "x"))) == 0
+    assert verified_tokens(tiny, PromptHashes(HELD, BS, ROOT)) == 3
+
+
+def test_branches_the_longest_verified_prefix_wins():
+    a_hist = list(range(100, 140))
+    b_hist = [*range(100, 108), *range(900, 932)]
+    a, b = handle(held=a_hist, num=40, req="a"), handle(held=b_hist, num=40, req="b")
+    for_b = plan([*b_hist, 1, 2], h=a, more=[Taken(b, 1.0)])
+    assert for_b.taken is not None and for_b.taken.handle is b and for_b.attached_tokens == 40
+    for_a = plan([*a_hist, 3], h=a, more=[Taken(b, 1.0)])
+    assert for_a.taken is not None and for_a.taken.handle is a
+
+
+def test_expired_candidates_are_set_aside():
+    fresh = handle(req="fresh")
+    p = plan([*HELD, 1], h=handle(req="old"), age=500, more=[Taken(fresh, 1.0)])
+    assert p.decision == "pull" and p.taken is not None and p.taken.handle is fresh
+    assert [t.handle.params["remote_request_id"] for t in p.expired] == ["old"]
 
 
 @pytest.mark.parametrize(("age", "decision"), [(449.9, "pull"), (450.0, "expired")])
@@ -85,14 +166,21 @@ def test_router_ttl(age, decision):
 
 def test_no_bidirectional_prefill_means_local():
     p = plan([*HELD, 1], can_pull=False)
-    assert p.decision == "local" and p.params is None
+    assert p.decision == "local" and p.params is None and p.taken is None
 
 
 def test_miss():
-    p = plan_reuse(None, 0.0, HELD, epoch=0, router_ttl_s=450, threshold=4, can_pull=True)
+    p = plan_reuse(
+        [],
+        PromptHashes(HELD, BS, ROOT),
+        epoch=0,
+        router_ttl_s=450,
+        threshold=4,
+        can_pull=True,
+    )
     assert p.decision == "miss" and p.params is None
 
 
 def test_unverified_policy_attaches_a_stale_handle_whole():
     p = plan([0, 0, 0], verify=False)
-    assert p.decision == "pull" and p.reused_tokens == 22 and p.params["remote_num_tokens"] == 22
+    assert p.decision == "pull" and p.attached_tokens == 22 and wire(p)["remote_num_tokens"] == 22

@@ -1,0 +1,315 @@
+"""The handle store on Redis (>= 6.2), shared by several router replicas.
+
+Layout (``%`` and ``:`` in the tenant and conversation id escaped as ``%25`` and ``%3A``):
+
+- one key per handle, ``f"{prefix}h:{tenant}:{conversation_id}:{handle_id}"``, value
+  ``b"<ttl_ms> " + StoredHandle.to_json()``, expiry ``PX`` (the stored ttl and the key's ``PTTL``
+  give a handle's age on Redis's clock, which all replicas share);
+- one index per conversation, ``f"{prefix}i:{tenant}:{conversation_id}"``, a sorted set of handle
+  ids scored by when they were stored (Redis's ``TIME``), expiring with its newest handle.
+
+Every operation that changes a conversation is one Lua script, atomic on the server: ``put``
+(store, index, drop the oldest beyond K and return them), ``take`` (GET, PTTL, DEL of one handle:
+of any number of replicas racing on one handle exactly one gets it). Scripts touch the handle keys
+of the conversation they are given, so this layout is for a single Redis (or a primary with
+replicas), not Redis Cluster. No LRU: bound memory with Redis's ``maxmemory`` and a ``volatile-*``
+eviction policy (every key here has a TTL); an evicted handle's blocks are freed by D's own TTL.
+
+Connection errors and timeouts are retried on a fresh connection (redis-py's ``Retry``), so a
+restarted Redis costs no turn; the router's :class:`~agentkv.router.guard.GuardedStore` turns
+what still fails into a miss.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from agentkv.router.store import (
+    DEFAULT_PER_CONVERSATION,
+    StoredHandle,
+    StoreKey,
+    Taken,
+    check_per_conversation,
+    check_ttl,
+)
+
+if TYPE_CHECKING:
+    import redis.asyncio
+
+__all__ = ["RedisStore"]
+
+log = logging.getLogger("agentkv.router")
+
+_REDIS_EXTRA_HINT = 'RedisStore needs the redis client library: pip install "vllm-agentkv[redis]"'
+
+# KEYS: handle key, index key. ARGV: handle id, value, px, K, handle key prefix of the conversation.
+# Returns the values of the handles dropped beyond K (oldest first).
+_PUT_LUA = """
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+local t = redis.call('TIME')
+redis.call('ZADD', KEYS[2], tonumber(t[1]) * 1000000 + tonumber(t[2]), ARGV[1])
+if redis.call('PTTL', KEYS[2]) < tonumber(ARGV[3]) then
+  redis.call('PEXPIRE', KEYS[2], ARGV[3])
+end
+local out = {}
+local ids = redis.call('ZRANGE', KEYS[2], 0, -1)
+local live = {}
+for _, id in ipairs(ids) do
+  if redis.call('EXISTS', ARGV[5] .. id) == 1 then
+    table.insert(live, id)
+  else
+    redis.call('ZREM', KEYS[2], id)
+  end
+end
+local k = tonumber(ARGV[4])
+local i = 1
+while #live - i + 1 > k do
+  local hk = ARGV[5] .. live[i]
+  local v = redis.call('GET', hk)
+  if v then table.insert(out, v) end
+  redis.call('DEL', hk)
+  redis.call('ZREM', KEYS[2], live[i])
+  i = i + 1
+end
+return out
+"""
+
+# KEYS: index key. ARGV: handle key prefix. Returns {id, value, pttl, ...} newest first.
+_LIST_LUA = """
+local ids = redis.call('ZREVRANGE', KEYS[1], 0, -1)
+local out = {}
+for _, id in ipairs(ids) do
+  local v = redis.call('GET', ARGV[1] .. id)
+  if v then
+    table.insert(out, id)
+    table.insert(out, v)
+    table.insert(out, redis.call('PTTL', ARGV[1] .. id))
+  else
+    redis.call('ZREM', KEYS[1], id)
+  end
+end
+return out
+"""
+
+# KEYS: handle key, index key. ARGV: handle id. Atomic get-and-delete with the remaining TTL (ms).
+_TAKE_LUA = """
+redis.call('ZREM', KEYS[2], ARGV[1])
+local v = redis.call('GET', KEYS[1])
+if not v then return false end
+local ttl = redis.call('PTTL', KEYS[1])
+redis.call('DEL', KEYS[1])
+return {v, ttl}
+"""
+
+# Compare-and-delete, per key: delete KEYS[i] only if it still holds ARGV[i] (drop_decode must not
+# drop a handle that another replica has just stored under the same key).
+_DROP_IF_UNCHANGED_LUA = """
+local n = 0
+for i, k in ipairs(KEYS) do
+  if redis.call('GET', k) == ARGV[i] then
+    redis.call('DEL', k)
+    n = n + 1
+  end
+end
+return n
+"""
+
+_SCAN_COUNT = 1000
+
+
+def _escape_part(part: str) -> str:
+    """Make a tenant or conversation id safe between ':' separators (injective)."""
+    return part.replace("%", "%25").replace(":", "%3A")
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+def _as_bytes(value: bytes | str) -> bytes:
+    return value.encode() if isinstance(value, str) else value
+
+
+def _pack(handle: StoredHandle, ttl_ms: int) -> bytes:
+    return b"%d " % ttl_ms + handle.to_json()
+
+
+def _unpack(raw: bytes | str) -> tuple[int, StoredHandle] | None:
+    """``(ttl_ms, handle)``, or ``None`` (logged) for a value this router cannot read."""
+    data = _as_bytes(raw)
+    head, sep, body = data.partition(b" ")
+    try:
+        if not sep or not head.isdigit():
+            raise ValueError("stored value lacks its '<ttl_ms> ' header")
+        return int(head), StoredHandle.from_json(body)
+    except ValueError as e:
+        log.warning("ignoring an unreadable handle in Redis: %s", e)
+        return None
+
+
+def _taken(raw: bytes | str, pttl_ms: int) -> Taken | None:
+    unpacked = _unpack(raw)
+    if unpacked is None:
+        return None
+    ttl_ms, handle = unpacked
+    # PTTL is -1 for a key without expiry (never written so by this store): age unknown, 0.
+    age_ms = ttl_ms - pttl_ms if pttl_ms >= 0 else 0
+    return Taken(handle, age_s=max(0, age_ms) / 1000)
+
+
+class RedisStore:
+    """Several router replicas' shared store (see the module docstring for the layout).
+
+    ``client``: an existing ``redis.asyncio.Redis`` (then ``url`` is not used and ``aclose`` leaves
+    the client open); otherwise one is made from ``url``, with retries of connection errors on a
+    fresh connection, and closed by ``aclose``.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        prefix: str = "agentkv:",
+        per_conversation: int = DEFAULT_PER_CONVERSATION,
+        client: redis.asyncio.Redis | None = None,
+        socket_timeout_s: float = 2.0,
+    ) -> None:
+        try:
+            import redis.asyncio as aioredis
+            from redis.asyncio.retry import Retry
+            from redis.backoff import ExponentialBackoff
+            from redis.exceptions import ConnectionError, TimeoutError
+        except ImportError as e:
+            raise ImportError(_REDIS_EXTRA_HINT) from e
+        check_per_conversation(per_conversation)
+        self._prefix = prefix
+        self._per_conversation = per_conversation
+        self._owns_client = client is None
+        self._client: redis.asyncio.Redis = (
+            aioredis.Redis.from_url(
+                url,
+                retry=Retry(ExponentialBackoff(cap=0.2, base=0.01), 2),
+                retry_on_error=[ConnectionError, TimeoutError],
+                socket_timeout=socket_timeout_s,
+                socket_connect_timeout=socket_timeout_s,
+                health_check_interval=10,
+            )
+            if client is None
+            else client
+        )
+        self._put_script = self._client.register_script(_PUT_LUA)
+        self._list_script = self._client.register_script(_LIST_LUA)
+        self._take_script = self._client.register_script(_TAKE_LUA)
+        self._drop_script = self._client.register_script(_DROP_IF_UNCHANGED_LUA)
+
+    @property
+    def client(self) -> redis.asyncio.Redis:
+        return self._client
+
+    def _conv(self, key: StoreKey) -> str:
+        tenant, conversation_id = key
+        return f"{_escape_part(tenant)}:{_escape_part(conversation_id)}"
+
+    def key(self, key: StoreKey, handle_id: str) -> str:
+        """The Redis key under which one of ``key``'s handles lives."""
+        return f"{self._prefix}h:{self._conv(key)}:{handle_id}"
+
+    def index_key(self, key: StoreKey) -> str:
+        """The Redis sorted set of ``key``'s handle ids."""
+        return f"{self._prefix}i:{self._conv(key)}"
+
+    async def put(
+        self, key: StoreKey, handle: StoredHandle, ttl_s: float, *, age_s: float = 0.0
+    ) -> list[StoredHandle]:
+        check_ttl(ttl_s)
+        ttl_ms = max(1, round(ttl_s * 1000))
+        px = ttl_ms - round(max(0.0, age_s) * 1000)
+        if px <= 0:
+            return []
+        dropped = await self._put_script(
+            keys=[self.key(key, handle.id), self.index_key(key)],
+            args=[
+                handle.id,
+                _pack(handle, ttl_ms),
+                px,
+                self._per_conversation,
+                self.key(key, ""),
+            ],
+        )
+        out: list[StoredHandle] = []
+        for raw in dropped or []:
+            unpacked = _unpack(raw)
+            if unpacked is not None:
+                out.append(unpacked[1])
+        return out
+
+    async def candidates(self, key: StoreKey) -> list[Taken]:
+        flat = await self._list_script(keys=[self.index_key(key)], args=[self.key(key, "")])
+        out: list[Taken] = []
+        for i in range(0, len(flat or []), 3):
+            taken = _taken(flat[i + 1], int(flat[i + 2]))
+            if taken is not None:
+                out.append(taken)
+        return out
+
+    async def take(self, key: StoreKey, handle_id: str | None = None) -> Taken | None:
+        if handle_id is None:
+            live = await self.candidates(key)
+            if not live:
+                return None
+            handle_id = live[0].handle.id
+        got = await self._take_script(
+            keys=[self.key(key, handle_id), self.index_key(key)], args=[handle_id]
+        )
+        if not got:
+            return None
+        raw, pttl_ms = got
+        return _taken(raw, int(pttl_ms))
+
+    async def delete(self, key: StoreKey) -> list[StoredHandle]:
+        out: list[StoredHandle] = []
+        for candidate in await self.candidates(key):
+            taken = await self.take(key, candidate.handle.id)
+            if taken is not None:
+                out.append(taken.handle)
+        return out
+
+    async def drop_decode(self, decode_url: str) -> int:
+        dropped = 0
+        async for keys in self._scan():
+            values = await self._client.mget(keys)
+            doomed_keys: list[bytes] = []
+            doomed_values: list[bytes] = []
+            for k, raw in zip(keys, values, strict=True):
+                if raw is None:
+                    continue
+                unpacked = _unpack(raw)
+                if unpacked is not None and unpacked[1].decode_url == decode_url:
+                    doomed_keys.append(k)
+                    doomed_values.append(_as_bytes(raw))
+            if doomed_keys:
+                dropped += int(await self._drop_script(keys=doomed_keys, args=doomed_values))
+        return dropped
+
+    async def size(self) -> int:
+        seen: set[bytes] = set()
+        async for keys in self._scan():
+            seen.update(keys)
+        return len(seen)
+
+    async def aclose(self) -> None:
+        if self._owns_client:
+            await self._client.aclose()
+
+    async def _scan(self) -> AsyncIterator[list[bytes]]:
+        """Batches of this store's handle keys (SCAN may repeat a key; callers cope)."""
+        pattern = _glob_escape(self._prefix) + "h:*"
+        cursor = 0
+        while True:
+            cursor, keys = await self._client.scan(cursor, match=pattern, count=_SCAN_COUNT)
+            if keys:
+                yield [_as_bytes(k) for k in keys]
+            if cursor == 0:
+                return

@@ -1,0 +1,152 @@
+"""Streaming D's answer to the client without tying D's fate to the client's.
+
+A reader task reads D's stream to the end and hands the client's bytes to the response through a
+queue. When the client hangs up, the response stops but the reader goes on (bounded in time and
+in how many run at once) so D finishes the turn and its new handle is stored: a resent turn then
+pulls. When D dies mid-stream the client gets an SSE error event in OpenAI's shape and a clean
+end instead of a broken chunked body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import httpx
+import orjson
+
+from agentkv.protocol import error_body
+from agentkv.router.sse import Captured, rewrite_chunk, sse
+
+__all__ = ["Relay", "StreamOutcome"]
+
+log = logging.getLogger("agentkv.router")
+
+_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass
+class StreamOutcome:
+    """How a relayed stream ended."""
+
+    done: bool = False
+    """D sent ``[DONE]``."""
+    failed: bool = False
+    """D's stream broke (the client got an error event)."""
+    abandoned: bool = False
+    """The client left before the end."""
+    drained: bool = False
+    """The client left and the router read D to the end anyway."""
+
+
+class Relay:
+    """The reader tasks of one router (``max_drains`` streams read on after their client left,
+    each for at most ``drain_timeout_s``)."""
+
+    def __init__(self, *, drain_timeout_s: float, max_drains: int) -> None:
+        self.drain_timeout_s, self.max_drains = drain_timeout_s, max_drains
+        self.draining = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def aclose(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def stream(
+        self,
+        upstream: httpx.Response,
+        *,
+        keep_ids: bool,
+        on_handle: Callable[[Captured], Awaitable[None]],
+        on_end: Callable[[StreamOutcome], None],
+    ) -> AsyncIterator[bytes]:
+        """The client's SSE bytes; D is read by a task of its own."""
+        queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        outcome = StreamOutcome()
+        task = asyncio.ensure_future(
+            self._read(upstream, queue, outcome, keep_ids=keep_ids, on_handle=on_handle)
+        )
+        self._tasks.add(task)
+
+        def finished(t: asyncio.Task[None]) -> None:
+            self._tasks.discard(t)
+            on_end(outcome)
+
+        task.add_done_callback(finished)
+        return self._forward(queue, outcome, task)
+
+    async def _forward(
+        self, queue: asyncio.Queue[bytes | None], outcome: StreamOutcome, task: asyncio.Task[None]
+    ) -> AsyncIterator[bytes]:
+        try:
+            while True:
+                item = await queue.get()
+                if item is None:
+                    return
+                yield item
+        finally:
+            if not task.done():
+                outcome.abandoned = True
+                if self.draining >= self.max_drains:
+                    task.cancel()  # too many already: D aborts, its blocks are freed
+
+    async def _read(
+        self,
+        upstream: httpx.Response,
+        queue: asyncio.Queue[bytes | None],
+        outcome: StreamOutcome,
+        *,
+        keep_ids: bool,
+        on_handle: Callable[[Captured], Awaitable[None]],
+    ) -> None:
+        captured = Captured()
+        remembered = False
+        draining_since: float | None = None
+        try:
+            async for line in upstream.aiter_lines():
+                if outcome.abandoned and draining_since is None:
+                    draining_since = time.monotonic()
+                    self.draining += 1
+                if draining_since is not None and (
+                    time.monotonic() - draining_since > self.drain_timeout_s
+                ):
+                    log.warning(
+                        "gave up draining an abandoned stream after %.0f s", self.drain_timeout_s
+                    )
+                    return
+                if not line.startswith("data: "):
+                    continue
+                payload = line[6:]
+                if payload.strip() == "[DONE]":
+                    outcome.done = True
+                    queue.put_nowait(_DONE)
+                    continue
+                try:
+                    chunk = orjson.loads(payload)
+                except orjson.JSONDecodeError:
+                    continue
+                out = sse(rewrite_chunk(chunk, captured, keep_ids=keep_ids))
+                if captured.handle is not None and not remembered:
+                    # D's handle comes on the finish_reason chunk, with the last token: store it
+                    # before the client sees the end and can send its next turn
+                    remembered = True
+                    await on_handle(captured)
+                if not outcome.abandoned:
+                    queue.put_nowait(out)
+            outcome.drained = outcome.abandoned
+        except httpx.HTTPError as exc:
+            outcome.failed = True
+            log.warning("decode stream broke: %s", type(exc).__name__)
+            message = "The decode instance's stream broke before the end of the answer."
+            queue.put_nowait(sse(error_body(502, message)))
+            queue.put_nowait(_DONE)
+        finally:
+            if draining_since is not None:
+                self.draining -= 1
+            queue.put_nowait(None)
+            await upstream.aclose()
