@@ -101,6 +101,15 @@ def sim(
     cut_stream_after: Annotated[
         Optional[int], typer.Option(help="Fault: drop streams after N tokens.")  # noqa: UP045
     ] = None,
+    kv_events_config: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option(
+            help="vLLM's --kv-events-config JSON, e.g. "
+            '\'{"enable_kv_cache_events":true,"publisher":"zmq",'
+            '"endpoint":"tcp://127.0.0.1:5557","topic":"kv"}\' (ZMQ BlockStored/BlockRemoved/'
+            "AllBlocksCleared, as vLLM 0.33)."
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "warning",
 ) -> None:
     """Run one simulated vLLM 0.33 engine (OpenAI server + NixlConnector P/D protocol)."""
@@ -108,8 +117,13 @@ def sim(
 
     from agentkv.sim import Faults, SimConfig, create_app
 
-    extra = {"engine_id": engine_id} if engine_id else {}
+    extra: dict[str, Any] = {"engine_id": engine_id} if engine_id else {}
     try:
+        if kv_events_config is not None:
+            try:
+                extra["kv_events_config"] = json.loads(kv_events_config)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--kv-events-config is not valid JSON: {exc}") from exc
         config = SimConfig.model_validate(
             dict(
                 role=role,
@@ -357,15 +371,28 @@ def router(
     store: Annotated[
         Optional[str], typer.Option(help="memory or redis://host:port/db")  # noqa: UP045
     ] = None,
+    metrics_port: Annotated[
+        Optional[int],  # noqa: UP045
+        typer.Option(help="Serve /metrics on this port instead of the main one."),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="Log level.")] = "info",
+    log_format: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option(help="text (control characters escaped) or json (one object a line)."),
+    ] = None,
 ) -> None:
-    """Run agentkv's KV-aware P/D router: verified bidirectional KV reuse per conversation."""
+    """Run agentkv's KV-aware P/D router: verified bidirectional KV reuse per conversation.
+
+    The tenant salt secret may come from the environment (AGENTKV_SALT_SECRET) instead of the
+    config file."""
     import logging
+    import os
 
     import uvicorn
     from pydantic import ValidationError
 
     from agentkv.router import RouterConfig, create_app
+    from agentkv.router.logs import configure_logging
 
     overrides = {
         "prefill": [{"url": u} for u in prefill] if prefill else None,
@@ -375,7 +402,11 @@ def router(
         "block_size": block_size,
         "decoder_kv_blocks_ttl_s": decoder_kv_blocks_ttl,
         "store": store,
+        "metrics_port": metrics_port,
+        "log_format": log_format,
     }
+    if os.environ.get("AGENTKV_SALT_SECRET"):
+        overrides["salt_secret"] = os.environ["AGENTKV_SALT_SECRET"]
     try:
         if config:
             cfg = RouterConfig.load(config, **overrides)
@@ -384,18 +415,23 @@ def router(
     except (ValidationError, ValueError, OSError) as exc:
         typer.echo(f"agentkv router: invalid configuration: {exc}", err=True)
         raise typer.Exit(2) from exc
-    logging.basicConfig(
-        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    typer.echo(
+    configure_logging(cfg.log_format, log_level)
+    banner = (
         f"agentkv router on http://{cfg.host}:{cfg.port}: "
         f"{len(cfg.prefill)} prefill, {len(cfg.decode)} decode, store {cfg.store}, "
-        f"router TTL {cfg.router_ttl_s:.0f}s",
-        err=True,
+        f"router TTL {cfg.router_ttl_s:.0f}s"
     )
+    if cfg.log_format == "json":
+        logging.getLogger("agentkv.router").info(banner)
+    else:
+        typer.echo(banner, err=True)
     uvicorn.run(
-        create_app(cfg), host=cfg.host, port=cfg.port, log_level="warning", access_log=False
+        create_app(cfg),
+        host=cfg.host,
+        port=cfg.port,
+        log_level="warning",
+        log_config=None,  # uvicorn's records go through configure_logging's handler
+        access_log=False,
     )
 
 
@@ -977,10 +1013,11 @@ def plan(
     data = result.to_dict()
     data["costs"] = {"source": source, **cost.model_dump()}
     if families:
-        from agentkv.bench.retention import ASSUMPTIONS
+        from agentkv.bench.retention import ASSUMPTIONS, wait_stats
 
         data["retention"] = [r.to_dict() for r in retained]
         data["retention_assumptions"] = ASSUMPTIONS
+        data["retention_waits"] = wait_stats(loaded, block_size)
     if json_out:
         from agentkv.bench.report import write_json
 

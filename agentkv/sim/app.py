@@ -2,9 +2,9 @@
 
 Routes (vLLM 0.33's OpenAI server): ``POST /v1/chat/completions``, ``POST /v1/completions``,
 ``POST /tokenize``, ``POST /detokenize``, ``GET /v1/models``, ``GET /health``, ``GET /metrics``,
-``POST /reset_prefix_cache``. Internal (simulator only): the NIXL stand-in under ``/_sim/nixl/``
-(:mod:`agentkv.sim.transfer`), ``GET|POST /_sim/faults`` (:mod:`agentkv.sim.faults`) and
-``GET /_sim/state``.
+``POST /reset_prefix_cache``, ``GET /kv_event_sources``. Internal (simulator only): the NIXL
+stand-in under ``/_sim/nixl/`` (:mod:`agentkv.sim.transfer`), ``GET|POST /_sim/faults``
+(:mod:`agentkv.sim.faults`) and ``GET /_sim/state``.
 """
 
 from __future__ import annotations
@@ -139,6 +139,7 @@ def create_app(
             with contextlib.suppress(asyncio.CancelledError):
                 await reaper
             await engine.transfer.aclose()
+            engine.close()
 
     routes = [
         Route("/v1/chat/completions", _generate(state, chat=True), methods=["POST"]),
@@ -149,6 +150,7 @@ def create_app(
         Route("/health", _health(state), methods=["GET"]),
         Route("/metrics", _metrics(state), methods=["GET"]),
         Route("/reset_prefix_cache", _reset(state), methods=["POST"]),
+        Route("/kv_event_sources", _kv_event_sources(state), methods=["GET"]),
         Route("/_sim/nixl/handshake", _handshake(state), methods=["GET"]),
         Route("/_sim/nixl/read", _read(state), methods=["POST"]),
         Route("/_sim/nixl/notify", _notify(state), methods=["POST"]),
@@ -375,8 +377,21 @@ def _metrics(state: SimState) -> Handler:
 
 def _reset(state: SimState) -> Handler:
     async def handler(request: Request) -> Response:
-        state.engine.pool.reset_prefix_cache()
+        state.engine.reset_prefix_cache()
         return Response(status_code=200)
+
+    return handler
+
+
+def _kv_event_sources(state: SimState) -> Handler:
+    """vLLM 0.33's ``GET /kv_event_sources``: the publisher's resolved config per data-parallel
+    rank (``{"0": {...}}``), ``{}`` when events are off."""
+
+    async def handler(request: Request) -> Response:
+        publisher = state.engine.kv_events
+        if publisher is None:
+            return JSONResponse({})
+        return JSONResponse({"0": publisher.config.model_dump()})
 
     return handler
 

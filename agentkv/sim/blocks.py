@@ -5,6 +5,10 @@
   hash carries the request's ``cache_salt``.
 * Freed blocks go to the back of an LRU free queue (a request's blocks in reverse order, so its
   tail is evicted first); allocation takes from the front and evicts the block's cache entry.
+* With ``kv_events`` the pool queues vLLM's KV cache events as its ``BlockPool`` does
+  (``kv_event_queue``, :meth:`BlockPool.take_events`): ``BlockStored`` when full blocks enter
+  the prefix cache, ``BlockRemoved`` when a cached block is evicted, ``AllBlocksCleared`` on
+  :meth:`BlockPool.reset_prefix_cache`.
 * Every block also remembers **what its KV was computed for** (:class:`KVContent`: the tokens,
   their start position and the hash of everything before them). That is the simulator's ground
   truth: a request whose blocks hold KV for other tokens or positions ran on wrong KV.
@@ -17,6 +21,15 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+from agentkv.protocol.kv_events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    external_block_hash,
+)
 
 __all__ = [
     "Block",
@@ -136,7 +149,15 @@ class Block:
 class BlockPool:
     """``num_blocks`` blocks of ``block_size`` tokens (block 0 is the null block)."""
 
-    def __init__(self, num_blocks: int, block_size: int, *, prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        prefix_caching: bool = True,
+        kv_events: bool = False,
+        int_block_hashes: bool = True,
+    ) -> None:
         if num_blocks < 2:
             raise ValueError("num_blocks must be at least 2 (block 0 is the null block)")
         if block_size < 1:
@@ -146,6 +167,10 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
         self._cached: dict[bytes, Block] = {}
+        self.kv_events = kv_events
+        self.int_block_hashes = int_block_hashes
+        """Hashes in events as vLLM's ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` says."""
+        self.kv_event_queue: list[KVCacheEvent] = []
 
     # -- queries -----------------------------------------------------------------------------
     @property
@@ -204,18 +229,81 @@ class BlockPool:
             block = self.blocks[block_id]
             if block.block_hash is not None and self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
+                if self.kv_events:
+                    self.kv_event_queue.append(
+                        BlockRemoved(
+                            block_hashes=[self._ext(block.block_hash)],
+                            medium=MEDIUM_GPU,
+                            group_idx=0,
+                        )
+                    )
             block.block_hash = None
             block.content = None
             block.ref_cnt = 1
             out.append(block)
         return out
 
-    def cache(self, block: Block, block_hash: bytes) -> None:
-        """Register a full block under ``block_hash`` (no-op without prefix caching)."""
+    def cache(self, block: Block, block_hash: bytes) -> bool:
+        """Register a full block under ``block_hash`` (no-op without prefix caching).
+
+        Returns True when the block became the cache entry for ``block_hash``."""
         if not self.prefix_caching or block.block_hash is not None:
-            return
+            return False
         block.block_hash = block_hash
-        self._cached.setdefault(block_hash, block)
+        return self._cached.setdefault(block_hash, block) is block
+
+    def cache_full_blocks(
+        self,
+        blocks: Sequence[Block],
+        hashes: Sequence[bytes],
+        token_ids: Sequence[int],
+        cache_salt: str | None = None,
+    ) -> None:
+        """Cache a sequence's full blocks (``blocks[i]`` under ``hashes[i]``, holding tokens
+        ``token_ids[i*bs:(i+1)*bs]``), and queue one ``BlockStored`` per run of newly cached
+        blocks, shaped like vLLM's ``BlockPool.cache_full_blocks`` event."""
+        run: list[int] = []
+        for index, (block, h) in enumerate(zip(blocks, hashes, strict=False)):
+            if self.cache(block, h) and self.kv_events:
+                if run and run[-1] != index - 1:
+                    self._stored(run, hashes, token_ids, cache_salt)
+                    run = []
+                run.append(index)
+        if run:
+            self._stored(run, hashes, token_ids, cache_salt)
+
+    def _stored(
+        self,
+        run: list[int],
+        hashes: Sequence[bytes],
+        token_ids: Sequence[int],
+        cache_salt: str | None,
+    ) -> None:
+        bs, first = self.block_size, run[0]
+        extra: list[tuple[object, ...] | None] = [
+            (cache_salt,) if i == 0 and cache_salt else None for i in run
+        ]
+        self.kv_event_queue.append(
+            BlockStored(
+                block_hashes=[self._ext(hashes[i]) for i in run],
+                parent_block_hash=self._ext(hashes[first - 1]) if first else None,
+                token_ids=list(token_ids[first * bs : (run[-1] + 1) * bs]),
+                block_size=bs,
+                lora_id=None,
+                medium=MEDIUM_GPU,
+                lora_name=None,
+                extra_keys=extra,
+                group_idx=0,
+            )
+        )
+
+    def _ext(self, block_hash: bytes) -> int | bytes:
+        return external_block_hash(block_hash, as_int=self.int_block_hashes)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The queued KV cache events, oldest first (the queue is emptied)."""
+        events, self.kv_event_queue = self.kv_event_queue, []
+        return events
 
     def free(self, blocks: Sequence[Block]) -> None:
         """Drop one reference on each block; unreferenced blocks join the free queue tail-first."""
@@ -232,3 +320,5 @@ class BlockPool:
         for block in self._cached.values():
             block.block_hash = None
         self._cached.clear()
+        if self.kv_events:
+            self.kv_event_queue.append(AllBlocksCleared())

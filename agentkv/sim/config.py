@@ -8,6 +8,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from agentkv.protocol.kv_events import KVEventsConfig
+
 __all__ = ["Compat", "Role", "SimConfig"]
 
 Role = Literal["prefill", "decode", "both"]
@@ -62,6 +64,9 @@ class SimConfig(BaseModel):
     reasoning_parser: bool = True
     max_output_tokens_default: int = Field(48, ge=1)
     """Upper bound of a generated answer's natural length when the request sets no limit."""
+    kv_events_config: KVEventsConfig | None = None
+    """vLLM's ``--kv-events-config``: publish BlockStored / BlockRemoved / AllBlocksCleared over
+    ZMQ as vLLM 0.33 does (:mod:`agentkv.sim.kv_events`); off when unset or not enabled."""
 
     @model_validator(mode="after")
     def _check(self) -> SimConfig:

@@ -51,6 +51,7 @@ from agentkv.sim.blocks import (
 from agentkv.sim.clock import Clock
 from agentkv.sim.config import SimConfig
 from agentkv.sim.costmodel import CostModel
+from agentkv.sim.kv_events import ZmqEventPublisher, int_block_hashes
 from agentkv.sim.metrics import SimMetrics
 from agentkv.sim.transfer import TransferClient, TransferError
 
@@ -155,8 +156,16 @@ class Engine:
         self.clock = clock
         self.transfer = transfer
         self.vocab_size = vocab_size
+        events = config.kv_events_config
+        self.kv_events: ZmqEventPublisher | None = None
+        if events is not None and events.active:
+            self.kv_events = ZmqEventPublisher(events, host=config.host)
         self.pool = BlockPool(
-            config.num_blocks, config.block_size, prefix_caching=config.prefix_caching
+            config.num_blocks,
+            config.block_size,
+            prefix_caching=config.prefix_caching,
+            kv_events=self.kv_events is not None,
+            int_block_hashes=int_block_hashes(),
         )
         self.retained: dict[str, _Retained] = {}
         self._clock_offsets: dict[str, float] = {}
@@ -171,6 +180,22 @@ class Engine:
     def shutdown(self) -> None:
         """Release requests parked forever (hung reads) so the server can stop."""
         self._shutdown.set()
+
+    def close(self) -> None:
+        """Stop the KV event publisher (after :meth:`shutdown`)."""
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
+
+    def publish_events(self) -> None:
+        """Publish the pool's queued KV cache events as one batch (vLLM: once per scheduler
+        step); a no-op without ``kv_events_config``."""
+        if self.kv_events is not None:
+            self.kv_events.publish(self.pool.take_events())
+
+    def reset_prefix_cache(self) -> None:
+        """``POST /reset_prefix_cache``: forget every cached hash (``AllBlocksCleared``)."""
+        self.pool.reset_prefix_cache()
+        self.publish_events()
 
     async def reap_forever(self, interval_s: float = 0.25) -> None:
         """Free retained blocks whose TTL or lease has passed (vLLM's
@@ -298,6 +323,7 @@ class Engine:
                 # This step computes the previous token's KV: it may need a new block.
                 if n + len(out) > len(state.blocks) * bs:
                     state.blocks.extend(await self._allocate(1))
+                    self.publish_events()  # the allocation may have evicted a cached block
                 out.append(token)
                 self.metrics.generation_tokens.inc()
                 yield token
@@ -389,8 +415,8 @@ class Engine:
 
         # Compute the rest locally and fill in what every block holds.
         self._fill_local(prompt, state.blocks, local + external, req.cache_salt)
-        for block, h in zip(state.blocks, hashes, strict=False):
-            self.pool.cache(block, h)
+        self.pool.cache_full_blocks(state.blocks, hashes, prompt, req.cache_salt)
+        self.publish_events()
         computed = n - local - external
         model_s += self.cost.prefill_s(computed, local + external)
         if pull_from_prefill:
@@ -543,8 +569,8 @@ class Engine:
             self.pool.free(extra)
         self._fill_local(seq[:computed], state.blocks, scheduled.num_prompt_tokens, req.cache_salt)
         hashes = block_hashes(seq[:computed], bs, cache_salt=req.cache_salt)
-        for block, h in zip(state.blocks, hashes, strict=False):
-            self.pool.cache(block, h)
+        self.pool.cache_full_blocks(state.blocks, hashes, seq[:computed], req.cache_salt)
+        self.publish_events()
         self.metrics.success[finish].inc()
 
         handle: dict[str, Any] | None = None
