@@ -67,6 +67,7 @@ __all__ = [
     "retention_report",
     "retention_table",
     "sweep_grid",
+    "wait_stats",
 ]
 
 DEFAULT_FIXED_TTLS: tuple[float, ...] = (60, 450, 900, 1800)
@@ -333,3 +334,19 @@ def sweep_grid(rows: Sequence[RetentionRow]) -> list[list[str]]:
     for h, lease_s in lines:
         grid.append([f"{h:g}", f"{lease_s:g}", *(cell.get((h, lease_s, u), "") for u in uis)])
     return grid
+
+
+def wait_stats(sessions: Sequence[Session], block_size: int = 16) -> dict[str, float]:
+    """How the trace's waits split between tool and user waits (counts, reusable shares)."""
+    steps, tails = steps_of(sessions, block_size)
+    tool = [st for st in steps if st.tool_wait]
+    total = sum(st.reusable_tokens for st in steps)
+    return {
+        "transitions": len(steps),
+        "tool_waits": len(tool),
+        "user_waits": len(steps) - len(tool),
+        "last_turns": len(tails),
+        "tool_wait_reusable_share": sum(st.reusable_tokens for st in tool) / total
+        if total
+        else 0.0,
+    }

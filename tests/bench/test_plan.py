@@ -335,6 +335,9 @@ def test_plan_retention_cli_on_the_real_trace(tmp_path: Path):
     assert rows["fixed-450"]["block_seconds_vs_fixed_450"] == 1.0
     assert rows["lease"]["params"] == {"ui_idle_s": 120, "lease_s": 30, "max_hold_s": 1800}
     assert "tool_wait" in data["retention_assumptions"]
+    waits = data["retention_waits"]
+    assert waits["tool_waits"] + waits["user_waits"] == waits["transitions"] > 0
+    assert waits["last_turns"] == 3 and 0 < waits["tool_wait_reusable_share"] < 1
     assert data["recommendation"]["decoder_kv_blocks_ttl"] > 0  # the plan is still there
     # the same figures as the library's
     sessions = load_trace(CLAUDE_CODE, limit=3)
