@@ -184,6 +184,30 @@ def kv_transfer_config(profile: Profile, role: EngineRole) -> dict[str, Any]:
     }
 
 
+def kv_events_config(profile: Profile, inst: Instance, host: str) -> dict[str, Any] | None:
+    """vLLM's ``--kv-events-config`` for one instance (``KVEventsConfig``, vLLM 0.33), or None:
+    prefill instances only, when ``prefill.kv_events_base_port`` is set. The endpoint is not a
+    wildcard, so the engine connects and the router binds ``tcp://HOST:PORT``."""
+    base = profile.prefill.kv_events_base_port
+    if inst.role != "prefill" or base is None:
+        return None
+    address = _connect_host(host)
+    address = f"[{address}]" if ":" in address else address
+    return {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://{address}:{base + inst.index}",
+        "topic": "kv",
+    }
+
+
+def _kv_events_argv(profile: Profile, inst: Instance, host: str) -> list[str]:
+    config = kv_events_config(profile, inst, host)
+    if config is None:
+        return []
+    return ["--kv-events-config", json.dumps(config, separators=(",", ":"))]
+
+
 def _vllm_argv(profile: Profile, inst: Instance, host: str) -> list[str]:
     group = profile.group(inst.role)
     argv = [
@@ -208,6 +232,7 @@ def _vllm_argv(profile: Profile, inst: Instance, host: str) -> list[str]:
         argv += ["--max-model-len", str(profile.max_model_len)]
     config = kv_transfer_config(profile, inst.role)
     argv += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
+    argv += _kv_events_argv(profile, inst, host)
     return argv + profile.extra_args + group.extra_args
 
 
@@ -254,6 +279,7 @@ def _sim_argv(profile: Profile, inst: Instance, host: str, launcher: list[str]) 
         argv.append("--no-bidirectional")
     if profile.compat != "0.33":
         argv += ["--compat", profile.compat]
+    argv += _kv_events_argv(profile, inst, host)
     return argv + profile.extra_args + group.extra_args
 
 

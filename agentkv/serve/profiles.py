@@ -193,6 +193,11 @@ class PrefillGroup(Group):
 
     base_port: int = Field(8100, ge=1, le=65535)
     side_channel_base_port: int = Field(5600, ge=1, le=65535)
+    kv_events_base_port: int | None = Field(None, ge=1, le=65535)
+    """ZMQ port of instance 0's KV cache events (instance i: ``+ i``): each P gets vLLM's
+    ``--kv-events-config`` with endpoint ``tcp://HOST:PORT`` and topic ``kv`` (a non-wildcard
+    endpoint: the engine connects, the router binds it), so the router knows what P holds in
+    its own prefix cache. Unset: no events."""
 
 
 class DecodeGroup(Group):
@@ -442,6 +447,19 @@ class Profile(_Model):
                 claim(group.base_port + i, f"{role}-{i} (HTTP)")
                 if self.engine == "vllm":
                     claim(group.side_channel_base_port + i, f"{role}-{i} (NIXL side channel)")
+        events = self.prefill.kv_events_base_port
+        if events is not None:
+            for i in range(self.prefill.count):
+                claim(events + i, f"prefill-{i} (KV events)")
+            for where, args in (
+                ("extra_args", self.extra_args),
+                *((f"{r}.extra_args", self.group(r).extra_args) for r in _ROLES),
+            ):
+                if any(a.split("=", 1)[0] == "--kv-events-config" for a in args):
+                    problems.append(
+                        f"{where}: --kv-events-config is set by the profile "
+                        "(prefill.kv_events_base_port); remove one of them"
+                    )
         return problems
 
     def _check_router_options(self) -> list[str]:

@@ -29,6 +29,18 @@ PY = "{python}"
 
 # --- vLLM 0.33.0 names ----------------------------------------------------------------------
 
+# vllm/config/kv_events.py: KVEventsConfig (a pydantic dataclass, extra keys forbidden).
+KV_EVENTS_KEYS = {
+    "enable_kv_cache_events",
+    "publisher",
+    "endpoint",
+    "replay_endpoint",
+    "buffer_steps",
+    "hwm",
+    "max_queue_size",
+    "topic",
+}
+
 # `vllm serve MODEL`: vllm/entrypoints/cli/serve.py (usage "vllm serve [model_tag] [options]";
 # the console script `vllm` is vllm.entrypoints.cli.main:main in pyproject.toml).
 VLLM_FLAGS = {
@@ -50,6 +62,8 @@ VLLM_FLAGS = {
     "--max-model-len": 'vllm/engine/arg_utils.py: model_group.add_argument("--max-model-len", ...)',
     "--kv-transfer-config": 'vllm/engine/arg_utils.py: add_argument("--kv-transfer-config", '
     '**vllm_kwargs["kv_transfer_config"])',
+    "--kv-events-config": 'vllm/engine/arg_utils.py: vllm_group.add_argument("--kv-events-config", '
+    '**vllm_kwargs["kv_events_config"]); EngineArgs.kv_events_config: KVEventsConfig | None',
     "--enforce-eager": 'vllm/engine/arg_utils.py: model_group.add_argument("--enforce-eager", ...)',
     "--distributed-executor-backend": "vllm/engine/arg_utils.py: parallel_group.add_argument("
     '"--distributed-executor-backend", ...); vllm/config/parallel.py: '
@@ -250,6 +264,10 @@ def test_vllm_flags_keys_and_env_are_real_vllm_names():
                 assert (arg, spec.argv[i + 1]) in VLLM_PARSERS, (name, arg, spec.argv[i + 1])
         config = json.loads(spec.argv[spec.argv.index("--kv-transfer-config") + 1])
         _check_kv_config(config, f"{name}/{spec.name}")
+        if "--kv-events-config" in spec.argv:
+            events = json.loads(spec.argv[spec.argv.index("--kv-events-config") + 1])
+            assert set(events) <= KV_EVENTS_KEYS, (name, spec.name, events)
+            assert spec.role == "prefill", (name, spec.name)
         for key in spec.env:
             assert key in VLLM_ENV or key in OTHER_ENV, (name, spec.name, key)
     assert seen >= 10
@@ -375,7 +393,9 @@ def test_local_expands_to_sim_engines_on_loopback():
     ]
     assert prefill.argv == [
         sys.executable, "-m", "agentkv", "sim", "--role", "prefill", *common[:2],
-        "--port", "8100", *common[2:], "--no-prefix-caching",
+        "--port", "8100", *common[2:], "--no-prefix-caching", "--kv-events-config",
+        '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://127.0.0.1:5800",'
+        '"topic":"kv"}',
     ]  # fmt: skip
     assert decode.argv == [
         sys.executable, "-m", "agentkv", "sim", "--role", "decode", *common[:2],

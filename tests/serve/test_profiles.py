@@ -263,3 +263,12 @@ def test_every_problem_is_reported_at_once(tmp_path):
     text = MINIMAL + "decoder_kv_blocks_ttl_s = 10\nextra_args = ['--block-size', '8']\n"
     message = refused(tmp_path, text)
     assert "TTL order" in message and "block-size mismatch" in message
+
+
+def test_kv_events_ports_and_flag(tmp_path):
+    on = MINIMAL + "[prefill]\ncount = 2\nkv_events_base_port = 5800\n"
+    assert load_profile(write(tmp_path, on)).prefill.kv_events_base_port == 5800
+    message = refused(tmp_path, on + "[decode]\nside_channel_base_port = 5801\n")
+    assert "port 5801 is used by both decode-0 (NIXL side channel) and prefill-1 (KV" in message
+    twice = refused(tmp_path, on + "extra_args = ['--kv-events-config', '{}']\n")
+    assert "prefill.extra_args: --kv-events-config is set by the profile" in twice
