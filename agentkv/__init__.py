@@ -12,7 +12,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from agentkv import _installed
 from agentkv.__version__ import __version__
+
+_installed.warn()  # PyPI's `agentkv` is another project with the same import package
 
 if TYPE_CHECKING:
     from agentkv._client import (

@@ -15,7 +15,7 @@ from typing import Any
 
 from _common import arguments, print_receipt
 from _sim import Scripts, answer, clients, tool_call
-from agentkv_langchain import ChatAgentKV
+from langchain_agentkv import ChatAgentKV
 from langchain_core.messages import AnyMessage, HumanMessage, RemoveMessage, SystemMessage
 from langchain_core.tools import tool
 from langgraph.checkpoint.memory import InMemorySaver

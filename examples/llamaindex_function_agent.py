@@ -3,9 +3,9 @@
     python examples/llamaindex_function_agent.py --base-url http://127.0.0.1:8000/v1 --model MODEL
 
 The one-line change is the LLM: ``AgentKV(...)``. Each chat session is one agentkv conversation
-(``agentkv_llamaindex.session(memory)`` names it after the memory's ``session_id``); its turns
-stay token-exact, and when the memory drops old messages to stay under its token limit, agentkv
-sees a rewrite and moves the conversation to a new epoch.
+(``llama_index.llms.agentkv.session(memory)`` names it after the memory's ``session_id``); its
+turns stay token-exact, and when the memory drops old messages to stay under its token limit,
+agentkv sees a rewrite and moves the conversation to a new epoch.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from typing import Any
 
 from _common import arguments, print_receipt
 from _sim import Scripts, answer, clients, tool_call
-from agentkv_llamaindex import AgentKV, session
 from llama_index.core.agent.workflow import FunctionAgent
 from llama_index.core.memory import Memory
+from llama_index.llms.agentkv import AgentKV, session
 
 
 def get_weather(city: str) -> str:

@@ -1,8 +1,10 @@
 """Framework adapters over real HTTP: simulator P and D processes behind an agentkv router.
 
-The adapters (``integrations/*/src``), the examples' simulator helper (``examples/_sim.py``) and
-the router tests' process stack (``tests/router/stack.py``) are imported from the checkout, so
-these tests need no extra install step beyond the frameworks themselves (the ``dev`` extra).
+The adapters (``integrations/*/src``, and ``integrations/llama-index-llms-agentkv`` with its
+``llama_index/llms/agentkv`` namespace layout), the examples' simulator helper
+(``examples/_sim.py``) and the router tests' process stack (``tests/router/stack.py``) are
+imported from the checkout, so these tests need no extra install step beyond the frameworks
+themselves (the ``dev`` extra).
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from integration_support import ADAPTER_SOURCES
 
 _ROOT = Path(__file__).resolve().parents[2]
 for _path in [
-    *sorted((_ROOT / "integrations").glob("*/src")),
+    *ADAPTER_SOURCES,
     _ROOT / "examples",
     _ROOT / "tests" / "router",
 ]:

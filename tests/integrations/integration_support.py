@@ -10,6 +10,13 @@ from typing import Any
 import agentkv
 
 ROOT = Path(__file__).resolve().parents[2]
+# Where each adapter's import packages live: src/ (langchain-agentkv, agentkv-openai-agents), or
+# the project folder itself (llama-index-llms-agentkv: the llama_index/llms/ namespace layout).
+ADAPTER_SOURCES = [
+    folder / "src" if (folder / "src").is_dir() else folder
+    for folder in sorted((ROOT / "integrations").iterdir())
+    if (folder / "pyproject.toml").is_file()
+]
 MODEL = "agentkv-sim"
 # P without a local prefix cache: every reused token is a verified read of D's KV.
 NO_P_CACHE = (("--no-prefix-caching",),)
@@ -50,10 +57,21 @@ class Recorder:
             if cur.receipt.epoch != prev.receipt.epoch:
                 assert cur.receipt.epoch == prev.receipt.epoch + 1
                 assert cur.receipt.rewrite is not None
-                assert cur.receipt.decision in ("stale", "recompute"), cur.receipt
+                assert_rewrite_reads_only_what_survived(cur.receipt)
                 continue
             assert cur.token_ids[: len(prev.token_ids)] == prev.token_ids
             assert cur.receipt.decision == "pull", cur.receipt
             assert (
                 cur.receipt.reused_tokens and cur.receipt.reused_tokens >= len(prev.token_ids) - 16
             )
+
+
+def assert_rewrite_reads_only_what_survived(receipt: agentkv.TurnReceipt) -> None:
+    """A rewrite turn drops D's handle (``stale``, ``recompute``) or, since the router's planner
+    trims it to the verified prefix, pulls that prefix: never more than survived the rewrite."""
+    assert receipt.decision in ("stale", "recompute", "pull"), receipt
+    if receipt.decision == "pull":
+        assert receipt.trim_cause == "rewrite" and receipt.rewrite is not None, receipt
+        survived = receipt.rewrite.surviving_tokens
+        reused = receipt.reused_tokens or 0
+        assert reused > 0 and (survived is None or reused <= survived), receipt

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from integration_support import ROOT
+from integration_support import ADAPTER_SOURCES, ROOT
 from stack import Stack
 
 pytestmark = pytest.mark.e2e
@@ -31,7 +31,7 @@ CASES = [
 def test_example_runs_and_prints_its_receipts(
     pd: Stack, script: str, conversation: str | None, rewritten: bool
 ) -> None:
-    sources = [str(p) for p in sorted((ROOT / "integrations").glob("*/src"))]
+    sources = [str(p) for p in ADAPTER_SOURCES]
     path = os.pathsep.join([*sources, os.environ.get("PYTHONPATH", "")])
     url = f"{pd.router.url}/v1"
     done = subprocess.run(

@@ -1,4 +1,4 @@
-"""agentkv-llamaindex with the real LlamaIndex agents and memory, over HTTP."""
+"""llama-index-llms-agentkv with the real LlamaIndex agents and memory, over HTTP."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 from _sim import Scripts, answer, tool_call
-from agentkv_llamaindex import AgentKV, session
 from integration_support import MODEL, Recorder
 from llama_index.core.agent.workflow import FunctionAgent, ReActAgent
 from llama_index.core.llms import ChatMessage
 from llama_index.core.memory import FactExtractionMemoryBlock, Memory
+from llama_index.llms.agentkv import AgentKV, session
 from sqlalchemy.ext.asyncio import create_async_engine
 from stack import Stack
 

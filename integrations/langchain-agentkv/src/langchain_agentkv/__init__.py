@@ -3,9 +3,13 @@ agentkv conversations (one per LangGraph thread), token-exact and rewrite-safe."
 
 from __future__ import annotations
 
-from agentkv.pool import ConversationPool, MemoryStateStore, StateStore, Turn
-from agentkv_langchain.chat_models import ChatAgentKV, to_openai_message
-from agentkv_langchain.stores import LangGraphStore
+from langchain_agentkv._install import require_vllm_agentkv
+
+require_vllm_agentkv("langchain-agentkv")  # before agentkv: PyPI's `agentkv` is another
+
+from agentkv.pool import ConversationPool, MemoryStateStore, StateStore, Turn  # noqa: E402
+from langchain_agentkv.chat_models import ChatAgentKV, to_openai_message  # noqa: E402
+from langchain_agentkv.stores import LangGraphStore  # noqa: E402
 
 __all__ = [
     "ChatAgentKV",

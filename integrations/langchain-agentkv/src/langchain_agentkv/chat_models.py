@@ -62,8 +62,8 @@ class ChatAgentKV(BaseChatModel):
             ``$AGENTKV_API_KEY``, default ``http://127.0.0.1:8000/v1``); or pass ``client`` /
             ``async_client`` (an existing :class:`agentkv.Client` / :class:`agentkv.AsyncClient`).
         mode: ``"exact"`` (send token ids; default) or ``"messages"``.
-        store: keep each thread's ledgers in a :class:`~agentkv_langchain.StateStore` (for
-            example :class:`~agentkv_langchain.LangGraphStore`) as well as in memory.
+        store: keep each thread's ledgers in a :class:`~langchain_agentkv.StateStore` (for
+            example :class:`~langchain_agentkv.LangGraphStore`) as well as in memory.
         on_turn: called with the agentkv conversation and the receipt after every turn.
         extra_body: body fields sent with every request.
     """

@@ -3,8 +3,13 @@ conversations (one per chat session), token-exact and rewrite-safe."""
 
 from __future__ import annotations
 
-from agentkv.pool import ConversationPool, MemoryStateStore, StateStore, Turn
-from agentkv_llamaindex.llms import AgentKV, session, to_openai_message
+from llama_index.llms.agentkv._install import require_vllm_agentkv
+
+require_vllm_agentkv("llama-index-llms-agentkv")  # before agentkv: PyPI's `agentkv` is another
+
+from llama_index.llms.agentkv.base import AgentKV, session, to_openai_message  # noqa: E402
+
+from agentkv.pool import ConversationPool, MemoryStateStore, StateStore, Turn  # noqa: E402
 
 __all__ = [
     "AgentKV",

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 __all__ = ["AgentKV", "session", "to_openai_message"]
 
 _SESSION: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "agentkv_llamaindex_session", default=None
+    "llama_index_llms_agentkv_session", default=None
 )
 
 

@@ -1,0 +1,84 @@
+"""Before this adapter imports ``agentkv``: is it vllm-agentkv's?
+
+agentkv is published as ``vllm-agentkv`` (import name ``agentkv``). PyPI's ``agentkv`` is an
+unrelated project whose import package is also ``agentkv``; with it installed, ``import agentkv``
+runs that project's code, where agentkv's own checks cannot run. So each adapter checks here,
+from the installed metadata, that the distribution ``vllm-agentkv`` is installed and that the
+module ``agentkv`` resolves to its files: its RECORD (the file and its hash), its editable
+checkout (PEP 610 ``direct_url.json``), or a vllm-agentkv source tree next to the module.
+(The same file in each adapter of ``integrations/``; a test keeps the copies identical.)
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import re
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+DISTRIBUTION = "vllm-agentkv"
+
+__all__ = ["DISTRIBUTION", "require_vllm_agentkv"]
+
+
+def require_vllm_agentkv(adapter: str) -> None:
+    """Raise ImportError, naming the fix, unless ``import agentkv`` will be vllm-agentkv."""
+    spec = importlib.util.find_spec("agentkv")
+    origin = Path(spec.origin).resolve() if spec is not None and spec.origin else None
+    if origin is not None and _source_tree(origin):
+        return  # a checkout of vllm-agentkv on sys.path (PYTHONPATH, python -m pytest)
+    try:
+        dist: importlib.metadata.Distribution | None = importlib.metadata.distribution(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        dist = None
+    if dist is not None and origin is not None and _installed_by(dist, origin):
+        return
+    others = importlib.metadata.distributions(name="agentkv")
+    found = list(dict.fromkeys(f"{d.metadata['Name']} {d.version}" for d in others))
+    if dist is None:
+        problem = f"the distribution {DISTRIBUTION} is not installed"
+    elif origin is None:
+        problem = "no module 'agentkv' can be imported"
+    else:
+        problem = (
+            f"'import agentkv' finds {origin}, which {DISTRIBUTION} {dist.version} did not install"
+        )
+    if found:
+        problem += f", and {', '.join(found)} is installed"
+    uninstall = "agentkv vllm-agentkv" if dist is not None else "agentkv"
+    raise ImportError(
+        f"{adapter} needs {DISTRIBUTION} (import name 'agentkv': the KV-reuse SDK for vLLM), but "
+        f"{problem}. PyPI's 'agentkv' is an unrelated project with the same import name. "
+        f"Fix: pip uninstall {uninstall} && pip install {DISTRIBUTION}"
+    )
+
+
+def _installed_by(dist: importlib.metadata.Distribution, origin: Path) -> bool:
+    for file in dist.files or ():
+        if file.as_posix() != "agentkv/__init__.py":
+            continue
+        if Path(str(dist.locate_file(file))).resolve() != origin:
+            continue
+        if file.hash is None or file.hash.mode != "sha256":
+            return True
+        digest = hashlib.sha256(origin.read_bytes()).digest()
+        return base64.urlsafe_b64encode(digest).rstrip(b"=").decode() == file.hash.value
+    direct = dist.read_text("direct_url.json")
+    if direct:
+        info = json.loads(direct)
+        url = urlparse(str(info.get("url", "")))
+        if info.get("dir_info", {}).get("editable") and url.scheme == "file":
+            return origin.is_relative_to(Path(unquote(url.path)).resolve())
+    return False
+
+
+def _source_tree(origin: Path) -> bool:
+    pyproject = origin.parent.parent / "pyproject.toml"
+    if origin.name != "__init__.py" or not pyproject.is_file():
+        return False
+    text = pyproject.read_text(encoding="utf-8", errors="replace")
+    return re.search(rf'^name\s*=\s*"{re.escape(DISTRIBUTION)}"', text, re.MULTILINE) is not None
