@@ -1,3 +1,3 @@
-from agentkv.cli import main
+from agentkv._main import main
 
 main()

@@ -32,7 +32,7 @@ is a :class:`~agentkv.RenderError` rather than a prompt that names the wrong too
 
 The probes are rendered by the server's ``/tokenize`` (:class:`RemoteRenderer`, exactly what
 the server would render) or in-process with a Hugging Face tokenizer and chat template
-(:class:`LocalRenderer`, extra ``agentkv[tokenizers]``). The algorithm itself is sans-IO
+(:class:`LocalRenderer`, extra ``vllm-agentkv[tokenizers]``). The algorithm itself is sans-IO
 (:func:`render_plan`, a generator of tokenize calls) so both drive it, sync or async.
 """
 
@@ -560,7 +560,7 @@ class _LocalBackend:
 class LocalRenderer:
     """Renders in-process with a ``tokenizer.json`` and a Jinja chat template, exactly as
     ``transformers`` does after vLLM's message preprocessing (needs
-    ``pip install "agentkv[tokenizers]"``).
+    ``pip install "vllm-agentkv[tokenizers]"``).
 
     Args:
         tokenizer: a ``tokenizer.json`` or its folder; None = the real Qwen3 vocabulary.
@@ -574,9 +574,10 @@ class LocalRenderer:
     ) -> None:
         try:
             from agentkv.chat import load_template, load_tokenizer
-        except ImportError as exc:  # pragma: no cover - depends on the environment
+        except ImportError as exc:
             raise ImportError(
-                'LocalRenderer needs the tokenizers extra: pip install "agentkv[tokenizers]"'
+                f"LocalRenderer needs the tokenizers extra ({exc}): "
+                'pip install "vllm-agentkv[tokenizers]"'
             ) from exc
         self.tokenizer: ChatTokenizer = load_tokenizer(tokenizer)
         self.template: ChatTemplate = load_template(template, self.tokenizer)

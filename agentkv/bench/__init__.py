@@ -11,7 +11,7 @@ calibrate the simulator's cost model against a live deployment.
 * :mod:`agentkv.bench.deploy`: a profile started for a benchmark, on a compressed clock.
 
 Everything here uses agentkv's public surfaces: the SDK, HTTP, the cost model and ``serve``.
-Needs the ``bench`` extra (``pip install "agentkv[bench]"``).
+Needs the ``bench`` extra (``pip install "vllm-agentkv[bench]"``).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ def _pyplot() -> Any:
         import matplotlib
     except ImportError as exc:  # pragma: no cover - the bench extra brings it
         raise RuntimeError(
-            'plots need matplotlib: pip install "agentkv[bench]" (or pass --no-plots)'
+            'plots need matplotlib: pip install "vllm-agentkv[bench]" (or pass --no-plots)'
         ) from exc
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

