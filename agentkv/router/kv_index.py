@@ -393,6 +393,9 @@ class KVEventSubscriber:
             it (L then only understates).
         replay_timeout_s: how long to wait for a replay.
         hwm: the SUB socket's receive high-water mark.
+        bind: override bind-or-connect. Needed for a config read back from
+            ``GET /kv_event_sources`` of an engine started with ``tcp://*:0``: vLLM reports the
+            address it bound (no wildcard left), so pass ``bind=False``.
     """
 
     def __init__(
@@ -407,8 +410,10 @@ class KVEventSubscriber:
         bootstrap: bool = True,
         replay_timeout_s: float = 1.0,
         hwm: int = 100_000,
+        bind: bool | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self.bind = bind
         self.topic = topic
         self.index = index
         self.host = host
@@ -445,6 +450,8 @@ class KVEventSubscriber:
         if self._task is not None:
             return
         address, bind = subscriber_endpoint(self.endpoint, self.host)
+        if self.bind is not None:
+            bind = self.bind
         # A bound SUB socket was seen never to send its subscription to a PUB that connects
         # to it (libzmq 4.3.5, pyzmq 27.3, TCP and IPC alike), so a bound subscriber is an XSUB
         # that sends the subscription itself to every publisher that connects.

@@ -303,3 +303,29 @@ async def test_index_predicts_the_sims_local_hit() -> None:
                 assert sub.stats.gaps == 0 and sub.stats.decode_errors == 0
     finally:
         await sub.aclose()
+
+
+@pytest.mark.e2e
+async def test_wildcard_port_zero_discovered_from_kv_event_sources() -> None:
+    """``tcp://*:0``: the sim binds an OS port; the router reads it from ``GET
+    /kv_event_sources`` and connects (``bind=False``: the reported address has no wildcard)."""
+    config = {"enable_kv_cache_events": True, "endpoint": "tcp://*:0", "topic": "kv"}
+    with start_sim(
+        "--block-size", str(BS), "--time-scale", "0", "--kv-events-config", json.dumps(config)
+    ) as sim:  # fmt: skip
+        async with httpx.AsyncClient(trust_env=False, base_url=sim.url, timeout=30) as client:
+            source = KVEventsConfig.model_validate(
+                (await client.get("/kv_event_sources")).json()["0"]
+            )
+            index = PrefixIndex(BS)
+            async with KVEventSubscriber.from_config(source, index, bind=False) as sub:
+                # A SUB that connects joins late (ZMQ slow joiner) and a cached prompt is not
+                # stored again: send new prompts until one is heard.
+                for attempt in range(50):
+                    ids = list(range(300 + attempt * 100, 300 + attempt * 100 + 6 * BS))
+                    r = await client.post("/v1/completions", json={"prompt": ids, "max_tokens": 1})
+                    assert r.status_code == 200
+                    await asyncio.sleep(0.1)
+                    if sub.stats.batches:
+                        break
+                await _until(lambda: index.local_prefix_tokens([*ids, 1]) == 6 * BS)

@@ -26,6 +26,7 @@ from agentkv.protocol.kv_events import (
     external_block_hash,
 )
 from agentkv.sim.blocks import BlockPool, block_hashes
+from agentkv.sim.kv_events import ZmqEventPublisher
 from agentkv.sim.launch import SimProcess, free_port, start_sim
 
 pytestmark = [pytest.mark.e2e]
@@ -320,3 +321,21 @@ def test_sim_rejects_bad_config() -> None:
 def test_sources_empty_without_events() -> None:
     with start_sim("--time-scale", "0") as sim, httpx.Client(trust_env=False) as client:
         assert client.get(f"{sim.url}/kv_event_sources").json() == {}
+
+
+def test_publish_never_blocks_the_engine() -> None:
+    """A full queue drops batches (counted) instead of waiting, unlike vLLM's ``put``."""
+    port = free_port()  # nobody listens: the PUB socket connects and keeps retrying
+    config = KVEventsConfig(
+        enable_kv_cache_events=True, endpoint=f"tcp://127.0.0.1:{port}", max_queue_size=1
+    )
+    publisher = ZmqEventPublisher(config)
+    try:
+        start = time.perf_counter()
+        for _ in range(2000):
+            publisher.publish([AllBlocksCleared()])
+        assert time.perf_counter() - start < 1.0
+        assert publisher.dropped > 0
+        assert publisher.dropped + publisher.sent <= 2000
+    finally:
+        publisher.shutdown()
