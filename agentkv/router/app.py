@@ -1,29 +1,48 @@
 """``create_app(config)``: the router as an ASGI app (Starlette), no module-level state.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /tokenize``,
-``POST /detokenize``, ``GET /v1/models``, ``GET /health``, ``GET /metrics``,
-``DELETE /v1/conversations/{id}``.
+``POST /detokenize``, ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (on
+``metrics_port`` instead when one is configured), ``DELETE /v1/conversations/{id}``.
+
+With tenants configured every route but ``/health`` needs a tenant's key, ``/metrics`` an admin
+key (``admin_api_keys``); ``/health`` shows engine addresses only to an admin key (or when
+neither tenants nor admin keys are configured).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import httpx
+import orjson
+from prometheus_client import Counter
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from agentkv.protocol import error_body
 from agentkv.router.config import RouterConfig
 from agentkv.router.guard import GuardedStore
+from agentkv.router.kv_index import KVEventSubscriber, PrefixIndex
+from agentkv.router.leases import MemoryLeases, RedisLeases
+from agentkv.router.logs import safe
 from agentkv.router.metrics import RouterMetrics
 from agentkv.router.pd import Router, UpstreamError
-from agentkv.router.request import RouterError, parse_request, tenant_for
+from agentkv.router.redis_store import RedisStore
+from agentkv.router.request import (
+    RouterError,
+    is_admin,
+    lease_seconds,
+    parse_request,
+    read_body,
+    tenant_for,
+)
 from agentkv.router.store import HandleStore, make_store
 from agentkv.router.upstream import EnginePool
 
@@ -33,17 +52,27 @@ log = logging.getLogger("agentkv.router")
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param=param), status_code=status)
+def _error(
+    status: int, message: str, param: str | None = None, *, close: bool = False
+) -> JSONResponse:
+    headers = {"connection": "close"} if close else None
+    return JSONResponse(
+        error_body(status, message, param=param), status_code=status, headers=headers
+    )
 
 
-def _guard(metrics: RouterMetrics, fn: Handler) -> Handler:
+def _guard(metrics: RouterMetrics, aborts: Counter, fn: Handler) -> Handler:
     async def handler(request: Request) -> Response:
         try:
             return await fn(request)
         except RouterError as exc:
             metrics.failed.labels(str(exc.status)).inc()
-            return _error(exc.status, exc.message, exc.param)
+            return _error(exc.status, exc.message, exc.param, close=exc.close)
+        except ClientDisconnect:
+            # the client hung up before its request was in: nothing to answer, nothing failed
+            aborts.labels("upload").inc()
+            log.info("client hung up during upload path=%s", safe(request.url.path))
+            return Response(status_code=499)
         except UpstreamError as exc:
             metrics.failed.labels(str(exc.status)).inc()
             return Response(exc.body, status_code=exc.status, media_type="application/json")
@@ -70,6 +99,14 @@ def create_app(
     """
     pool = EnginePool(config, transport=transport)
     metrics = RouterMetrics()
+    aborts = Counter(
+        "agentkv_router_client_aborts",
+        "Requests the client hung up on before they were answered, by stage.",
+        ("stage",),
+        registry=metrics.registry,
+    )
+    open_admin = not config.tenants and not config.admin_api_keys
+    """No tenants, no admin keys: everything is open, as before tenancy."""
     the_store = GuardedStore(
         store
         or make_store(
@@ -82,35 +119,57 @@ def create_app(
         open_s=config.store_open_s,
         on_error=lambda op: metrics.store_errors.labels(op).inc(),
     )
-    router = Router(config, pool, the_store, metrics)
+    inner = the_store.inner
+    leases = (
+        RedisLeases(inner.client, prefix=inner.prefix)
+        if isinstance(inner, RedisStore)
+        else MemoryLeases()
+    )
+    indexes, subscribers = kv_event_indexes(config)
+    router = Router(config, pool, the_store, metrics, local_prefix=indexes, leases=leases)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         pool.start()
+        router.start()
+        for subscriber in subscribers:
+            try:
+                await subscriber.start()
+            except Exception as exc:  # events are an accelerator: run without L
+                log.warning("KV events of %s unavailable: %s", subscriber.endpoint, exc)
+        metrics_server = (
+            await _serve_metrics(metrics_app, config.host, config.metrics_port)
+            if config.metrics_port is not None
+            else None
+        )
         try:
             yield
         finally:
+            if metrics_server is not None:
+                await metrics_server.stop()
             await router.drain()
+            for subscriber in subscribers:
+                await subscriber.aclose()
             await pool.aclose()
             await the_store.aclose()
 
     def generate(chat: bool) -> Handler:
         async def handler(request: Request) -> Response:
-            raw = await request.body()
+            # the key first: an unknown client does not get to send a body
+            tenant_for(config, request.headers.get("authorization"))
+            raw = await read_body(request, config.max_body_bytes)
             headers = {k.lower(): v for k, v in request.headers.items()}
             req = parse_request(raw, headers, chat=chat, config=config)
             return await router.turn(req)
 
-        return _guard(metrics, handler)
+        return _guard(metrics, aborts, handler)
 
     def passthrough(path: str) -> Handler:
         """``/tokenize`` and ``/detokenize``: answered by a healthy P, as the engines would."""
 
         async def handler(request: Request) -> Response:
             tenant_for(config, request.headers.get("authorization"))
-            raw = await request.body()
-            if len(raw) > config.max_body_bytes:
-                raise RouterError(413, f"Request body larger than {config.max_body_bytes} bytes.")
+            raw = await read_body(request, config.max_body_bytes)
             for engine in [e for e in pool.prefill if e.healthy] or pool.prefill:
                 try:
                     r = await engine.client.post(
@@ -122,9 +181,10 @@ def create_app(
                 return Response(r.content, status_code=r.status_code, media_type="application/json")
             raise RouterError(503, f"No prefill instance answered {path}.")
 
-        return _guard(metrics, handler)
+        return _guard(metrics, aborts, handler)
 
     async def models(request: Request) -> Response:
+        tenant_for(config, request.headers.get("authorization"))
         for engine in [e for e in pool.decode if e.healthy] or pool.decode:
             try:
                 r = await engine.client.get("/v1/models", timeout=10)
@@ -141,19 +201,27 @@ def create_app(
             "status": "ok" if p and d else "unavailable",
             # a failing store costs reuse, never answers: degraded, still 200
             "store": "ok" if the_store.healthy else "degraded",
-            "prefill": {e.url: e.healthy for e in pool.prefill},
-            "decode": {e.url: e.healthy for e in pool.decode},
-            "handles": await the_store.size(),
         }
+        if open_admin or is_admin(config, request.headers.get("authorization")):
+            body["prefill"] = {e.url: e.healthy for e in pool.prefill}
+            body["decode"] = {e.url: e.healthy for e in pool.decode}
+            body["handles"] = await the_store.size()
         return JSONResponse(body, status_code=200 if p and d else 503)
 
-    async def metrics_route(request: Request) -> Response:
+    async def metrics_text(request: Request) -> Response:
         size = await the_store.size()
         if size is not None:
             metrics.store_size.set(size)
         for e in pool.all:
             metrics.healthy.labels(e.role, e.url).set(1 if e.healthy else 0)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def metrics_route(request: Request) -> Response:
+        if not open_admin and not is_admin(config, request.headers.get("authorization")):
+            raise RouterError(401, "/metrics needs an admin key (Authorization: Bearer <key>).")
+        return await metrics_text(request)
+
+    metrics_app = Starlette(routes=[Route("/metrics", metrics_text, methods=["GET"])])
 
     async def close(request: Request) -> Response:
         tenant, _ = tenant_for(config, request.headers.get("authorization"))
@@ -163,16 +231,124 @@ def create_app(
             {"id": conversation, "object": "conversation.deleted", "released": released}
         )
 
+    async def lease(request: Request) -> Response:
+        tenant, _ = tenant_for(config, request.headers.get("authorization"))
+        body = await _json_object(request)
+        seconds = lease_seconds(body.get("lease_s"))
+        if seconds is None:
+            raise RouterError(400, "`lease_s` is required.", param="lease_s")
+        conversation = request.path_params["conversation_id"]
+        granted = await router.retention.renew((tenant, conversation), seconds)
+        return JSONResponse(
+            {"id": conversation, "object": "conversation.lease", "lease_s": granted}
+        )
+
+    async def leases_batch(request: Request) -> Response:
+        tenant, _ = tenant_for(config, request.headers.get("authorization"))
+        body = await _json_object(request)
+        seconds = lease_seconds(body.get("lease_s"))
+        ids = body.get("ids")
+        if seconds is None:
+            raise RouterError(400, "`lease_s` is required.", param="lease_s")
+        if (
+            not isinstance(ids, list)
+            or len(ids) > 10_000
+            or not all(isinstance(i, str) and 0 < len(i) <= 512 for i in ids)
+        ):
+            raise RouterError(
+                400, "`ids` must be a list of at most 10000 conversation ids.", param="ids"
+            )
+        data = []
+        for conversation in ids:
+            granted = await router.retention.renew((tenant, conversation), seconds)
+            data.append({"id": conversation, "object": "conversation.lease", "lease_s": granted})
+        return JSONResponse({"object": "list", "data": data})
+
     routes = [
         Route("/v1/chat/completions", generate(True), methods=["POST"]),
+        Route("/v1/conversations/leases", _guard(metrics, aborts, leases_batch), methods=["POST"]),
+        Route(
+            "/v1/conversations/{conversation_id}/lease",
+            _guard(metrics, aborts, lease),
+            methods=["POST"],
+        ),
         Route("/v1/completions", generate(False), methods=["POST"]),
         Route("/tokenize", passthrough("/tokenize"), methods=["POST"]),
         Route("/detokenize", passthrough("/detokenize"), methods=["POST"]),
-        Route("/v1/models", _guard(metrics, models), methods=["GET"]),
+        Route("/v1/models", _guard(metrics, aborts, models), methods=["GET"]),
         Route("/health", health, methods=["GET"]),
-        Route("/metrics", metrics_route, methods=["GET"]),
-        Route("/v1/conversations/{conversation_id}", _guard(metrics, close), methods=["DELETE"]),
+        Route(
+            "/v1/conversations/{conversation_id}",
+            _guard(metrics, aborts, close),
+            methods=["DELETE"],
+        ),
     ]
+    if config.metrics_port is None:
+        routes.append(Route("/metrics", _guard(metrics, aborts, metrics_route), methods=["GET"]))
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.router = router
     return app
+
+
+async def _json_object(request: Request) -> dict[str, Any]:
+    raw = await read_body(request, 1 << 20)
+    try:
+        body = orjson.loads(raw or b"{}")
+    except orjson.JSONDecodeError as exc:
+        raise RouterError(400, f"Invalid JSON body: {exc}") from exc
+    if not isinstance(body, dict):
+        raise RouterError(400, "The request body must be a JSON object.")
+    return body
+
+
+def kv_event_indexes(
+    config: RouterConfig,
+) -> tuple[dict[str, PrefixIndex], list[KVEventSubscriber]]:
+    """A prefix index and a subscriber for every P whose KV events are configured."""
+    indexes: dict[str, PrefixIndex] = {}
+    subscribers: list[KVEventSubscriber] = []
+    for backend in config.prefill:
+        events = backend.kv_events
+        if events is None or not events.active:
+            continue
+        index = PrefixIndex(config.block_size)
+        indexes[backend.url] = index
+        subscribers.append(KVEventSubscriber.from_config(events, index, host=backend.host))
+    return indexes, subscribers
+
+
+class _MetricsServer:
+    """``/metrics`` on its own port, in the router's event loop (uvicorn, no signal handlers:
+    the main server owns the process's signals and stops this one in its lifespan)."""
+
+    def __init__(self, server: Any, task: asyncio.Task[None]) -> None:
+        self.server, self.task = server, task
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+
+
+async def _serve_metrics(app: Starlette, host: str, port: int) -> _MetricsServer:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    config = uvicorn.Config(app, lifespan="off", access_log=False, log_config=None, log_level=None)
+    server = Server(config)
+    # the socket is bound already: serving it cannot fail to start
+    task = asyncio.ensure_future(server.serve(sockets=[sock]))
+    log.info("metrics on http://%s:%d/metrics", host, port)
+    return _MetricsServer(server, task)

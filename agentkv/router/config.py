@@ -9,6 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from agentkv.protocol.kv_events import KVEventsConfig
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
@@ -30,6 +32,11 @@ class Backend(BaseModel):
     """D: the handle arrives on the ``finish_reason`` chunk of a stream (vLLM ≥ 0.33). False
     (vLLM 0.32): the router reads D without streaming and re-streams to the client, so it still
     gets the handle."""
+    kv_events: KVEventsConfig | None = None
+    """P: the instance's ``--kv-events-config`` (vLLM's JSON, as given to the engine). The router
+    subscribes to its events to know what P holds in its own prefix cache (L): then receipts say
+    what P really read from D (not an estimate) and the P with the longest local prefix is
+    chosen. Events are an accelerator: lost ones cost accuracy, never a wrong read."""
     side_channel_host: str | None = None
     """What P must use to reach this D's handle (``remote_host``); default: the URL's host."""
 
@@ -48,8 +55,26 @@ class Tenant(BaseModel):
     name: str
     api_keys: list[str] = Field(min_length=1)
     cache_salt: str | None = None
-    """Added to every request of this tenant, so engines never share prefix cache across
-    tenants."""
+    """This tenant's prefix-cache namespace, used as it is (tenants with the same salt share
+    prefix cache). Unset: derived from the name and ``salt_secret``."""
+    share_prefix_cache: bool = False
+    """True: no salt, this tenant shares the engines' unsalted prefix cache (with the other
+    tenants that share and with clients of the engines that bypass the router)."""
+
+    @model_validator(mode="after")
+    def _check_salt(self) -> Tenant:
+        if self.share_prefix_cache and self.cache_salt is not None:
+            raise ValueError(f"tenant {self.name!r}: share_prefix_cache and cache_salt conflict")
+        if self.cache_salt is not None and (
+            not self.cache_salt
+            or len(self.cache_salt) > 96
+            or any(c in self.cache_salt for c in "@/\\\0:")
+        ):
+            raise ValueError(
+                f"tenant {self.name!r}: cache_salt must be 1-96 characters without '@', '/', "
+                "'\\', ':' or NUL (vLLM's rule, with room for a client's own salt)"
+            )
+        return self
 
 
 class RouterConfig(BaseModel):
@@ -103,6 +128,12 @@ class RouterConfig(BaseModel):
     finishes the turn and its handle is kept."""
     max_drains: int = Field(256, ge=0)
     """At most this many abandoned streams are read on at once (beyond: D aborts)."""
+    lease_check_interval_s: float = Field(0.5, gt=0)
+    """How often lapsed leases (``X-AgentKV-Lease``) are looked for and their handles released."""
+    kv_pressure_watermark: float | None = Field(0.9, gt=0, le=1)
+    """Above this KV-cache usage on a D (its ``vllm:kv_cache_usage_perc``), the router releases
+    that D's oldest stored handles, a tenth per health interval, so retained blocks never starve
+    running requests; None turns it off."""
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
     tenants: list[Tenant] = Field(default_factory=list)
     """Empty: no authentication, one anonymous tenant."""
@@ -111,6 +142,28 @@ class RouterConfig(BaseModel):
     proxy. It reads wrong KV after a rewrite: for benchmarks and conformance tests only."""
     tokenize_with: Literal["prefill", "decode"] = "prefill"
     """Which instance's ``/tokenize`` renders prompts that arrive without token ids."""
+
+    # -- hardening: tenancy salts, admin endpoints, logs -----------------------------------------
+    salt_secret: str | None = None
+    """Key of the HMAC that derives each tenant's ``cache_salt`` from its name (every replica
+    must have the same). Unset: the salt is derived from the name alone, so anyone who can reach
+    the engines directly can compute it; through the router, tenants stay apart either way."""
+    admin_api_keys: list[str] = Field(default_factory=list)
+    """Bearer keys that see ``/health``'s internals and, with tenants, ``/metrics``."""
+    metrics_port: int | None = Field(None, ge=1, le=65535)
+    """Serve ``/metrics`` on this port instead of the main one (same process, same host, no
+    key: keep it off public networks)."""
+    log_format: Literal["text", "json"] = "text"
+    """``json``: one JSON object per log line."""
+
+    @model_validator(mode="after")
+    def _check_hardening(self) -> RouterConfig:
+        tenant_keys = {k for t in self.tenants for k in t.api_keys}
+        if tenant_keys & set(self.admin_api_keys):
+            raise ValueError("an admin API key is also a tenant's API key")
+        if self.metrics_port is not None and self.metrics_port == self.port:
+            raise ValueError(f"metrics_port ({self.metrics_port}) must differ from port")
+        return self
 
     @property
     def router_ttl_s(self) -> float:

@@ -92,6 +92,11 @@ class GuardedStore:
     async def drop_decode(self, decode_url: str) -> int:
         return await self._call("drop_decode", lambda: self.inner.drop_decode(decode_url), 0)
 
+    async def take_oldest(self, decode_url: str, fraction: float) -> list[StoredHandle]:
+        return await self._call(
+            "take_oldest", lambda: self.inner.take_oldest(decode_url, fraction), []
+        )
+
     async def size(self) -> int | None:
         """Live handles, or ``None`` when the store cannot say."""
         result: int | None = await self._call("size", self.inner.size, None)

@@ -49,9 +49,11 @@ from agentkv.protocol import (
 )
 from agentkv.router.config import RouterConfig
 from agentkv.router.guard import GuardedStore
+from agentkv.router.leases import Leases, MemoryLeases
 from agentkv.router.metrics import RouterMetrics
 from agentkv.router.relay import Relay, StreamOutcome
 from agentkv.router.request import ClientRequest, RouterError
+from agentkv.router.retention import Retention
 from agentkv.router.sse import Captured, clean_response, synthesize_stream
 from agentkv.router.store import StoredHandle, StoreKey
 from agentkv.router.upstream import Engine, EnginePool, pick_decode, pick_prefill
@@ -173,11 +175,15 @@ class Router:
         metrics: RouterMetrics,
         *,
         local_prefix: Mapping[str, LocalPrefix] | None = None,
+        leases: Leases | None = None,
     ) -> None:
         self.config, self.pool, self.store, self.metrics = config, pool, store, metrics
         self.local_prefix: dict[str, LocalPrefix] = dict(local_prefix or {})
         """P url -> its prefix index (only P's whose KV events the router reads)."""
         self.relay = Relay(drain_timeout_s=config.drain_timeout_s, max_drains=config.max_drains)
+        self.retention = Retention(
+            config, store, leases or MemoryLeases(), pool.decode, self.release, metrics
+        )
         self._background: set[asyncio.Task[None]] = set()
         for engine in pool.decode:
             engine.on_eject.append(self._drop_handles_of)
@@ -188,7 +194,11 @@ class Router:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    def start(self) -> None:
+        self.retention.start()
+
     async def drain(self) -> None:
+        await self.retention.aclose()
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
         await self.relay.aclose()
@@ -222,6 +232,7 @@ class Router:
             self.metrics.upstream_errors.labels("prefill", "release").inc()
 
     async def close_conversation(self, tenant: str, conversation_id: str) -> bool:
+        await self.retention.drop((tenant, conversation_id))
         handles = await self.store.delete((tenant, conversation_id))
         for handle in handles:
             await self.release(handle, "closed")
@@ -454,6 +465,8 @@ class Router:
         started = time.perf_counter()
         ids = await self.prompt_ids(req)
         key: StoreKey | None = (req.tenant, req.conversation_id) if req.conversation_id else None
+        if key is not None and req.lease_s is not None:
+            await self.retention.renew(key, req.lease_s)
         plan = await self._plan(req, key, ids)
         if plan.release and plan.taken is not None:
             self.metrics.released.labels(plan.decision).inc()

@@ -22,6 +22,7 @@ what still fails into a miss.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
@@ -208,6 +209,10 @@ class RedisStore:
     def client(self) -> redis.asyncio.Redis:
         return self._client
 
+    @property
+    def prefix(self) -> str:
+        return self._prefix
+
     def _conv(self, key: StoreKey) -> str:
         tenant, conversation_id = key
         return f"{_escape_part(tenant)}:{_escape_part(conversation_id)}"
@@ -292,6 +297,30 @@ class RedisStore:
             if doomed_keys:
                 dropped += int(await self._drop_script(keys=doomed_keys, args=doomed_values))
         return dropped
+
+    async def take_oldest(self, decode_url: str, fraction: float) -> list[StoredHandle]:
+        held: list[tuple[float, bytes]] = []
+        async for keys in self._scan():
+            values = await self._client.mget(keys)
+            pttls = await asyncio.gather(*(self._client.pttl(k) for k in keys))
+            for k, raw, pttl in zip(keys, values, pttls, strict=True):
+                if raw is None:
+                    continue
+                taken = _taken(raw, int(pttl))
+                if taken is not None and taken.handle.decode_url == decode_url:
+                    held.append((taken.age_s, k))
+        held.sort(reverse=True)
+        out: list[StoredHandle] = []
+        for _, k in held[: max(1, int(len(held) * fraction))] if held else []:
+            # the same atomic take as a turn's: a handle a turn took first is skipped
+            prefix, _, handle_id = k.decode().rpartition(":")
+            index = self._prefix + "i:" + prefix[len(self._prefix) + 2 :]
+            got = await self._take_script(keys=[k, index], args=[handle_id])
+            if got:
+                taken = _taken(got[0], int(got[1]))
+                if taken is not None:
+                    out.append(taken.handle)
+        return out
 
     async def size(self) -> int:
         seen: set[bytes] = set()

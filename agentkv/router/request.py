@@ -7,11 +7,17 @@ stored handle: OpenAI's error shape, 4xx, and no state change.
 from __future__ import annotations
 
 import copy
+import functools
+import hashlib
+import hmac
+import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from starlette.requests import Request
 
 from agentkv.protocol import (
     BODY_CONVERSATION_ID,
@@ -21,40 +27,102 @@ from agentkv.protocol import (
     BODY_SESSION_ID,
     HEADER_CONVERSATION_ID,
     HEADER_EPOCH,
+    HEADER_LEASE,
     HEADER_SESSION_ID,
 )
 from agentkv.router.config import RouterConfig
 
-__all__ = ["ClientRequest", "RouterError", "parse_request", "tenant_for"]
+__all__ = [
+    "MAX_TOKEN_ID",
+    "ClientRequest",
+    "RouterError",
+    "parse_request",
+    "read_body",
+    "tenant_for",
+]
+
+INT64_MAX = (1 << 63) - 1
+MAX_TOKEN_ID = (1 << 31) - 1
+"""The largest token id the router accepts (vocabularies are far below 2^31)."""
+_EPOCH = re.compile(r"-?[0-9]{1,19}")
+_SALT_FORBIDDEN = ("@", "/", "\\", "\0")
+_MAX_SALT = 128  # vLLM's limit on cache_salt
 
 
 class RouterError(Exception):
-    """A request the router answers itself, in OpenAI's error shape."""
+    """A request the router answers itself, in OpenAI's error shape.
 
-    def __init__(self, status: int, message: str, *, param: str | None = None) -> None:
+    ``close``: the request body was not read to its end, so the connection is closed after the
+    answer (``Connection: close``) instead of reading the rest."""
+
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, close: bool = False
+    ) -> None:
         super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+        self.status, self.message, self.param, self.close = status, message, param, close
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body, never more than ``limit`` bytes of it in memory: a declared
+    ``Content-Length`` above the limit is refused before anything is read, and a body (chunked
+    or not) that grows past it is refused there, without reading the rest (413 either way).
+
+    A client that hangs up while sending raises starlette's ``ClientDisconnect``."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not (declared.strip().isascii() and declared.strip().isdigit()):
+            raise RouterError(400, "Invalid Content-Length header.", close=True)
+        if int(declared) > limit:
+            raise RouterError(413, f"Request body larger than {limit} bytes.", close=True)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RouterError(413, f"Request body larger than {limit} bytes.", close=True)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class _StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
 
 
 class _Common(BaseModel):
-    """Types of the fields the router relies on (the engine checks the rest)."""
+    """Types of the fields the router relies on, as vLLM's request models type them (lax
+    pydantic: ``"false"`` and ``0`` are false, ``"5"`` is 5); the engine checks the rest."""
 
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    n: int = Field(1, ge=1, le=1)
+    stream: bool | None = False
+    stream_options: _StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    n: int | None = Field(1, ge=1, le=1)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
-    return_token_ids: bool = False
+    return_token_ids: bool | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
     tools: list[dict[str, Any]] | None = None
     kv_transfer_params: dict[str, Any] | None = None
     cache_salt: str | None = None
+    min_tokens: int | None = Field(None, ge=0, le=INT64_MAX)
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> _Common:
+        # vLLM's SamplingParams rule, checked here so D's rejection cannot cost the handle
+        # that P read on this turn (issue 11: a failed turn never spends a conversation's KV)
+        most = self.max_completion_tokens or self.max_tokens
+        if self.min_tokens is not None and most is not None and self.min_tokens > most:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be less than or equal to max_tokens ({most})"
+            )
+        return self
 
 
 class _Chat(_Common):
@@ -63,6 +131,19 @@ class _Chat(_Common):
 
 class _Completion(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
+
+
+# the fields the router itself reads: the body it uses carries their validated values, so no
+# decision is ever taken on a raw string's truthiness
+_READ_BY_ROUTER = (
+    "stream",
+    "stream_options",
+    "max_tokens",
+    "max_completion_tokens",
+    "n",
+    "return_token_ids",
+    "prompt",
+)
 
 
 @dataclass
@@ -78,6 +159,8 @@ class ClientRequest:
     epoch: int
     prompt_ids: list[int] | None
     """Exact prompt ids when the client sent them."""
+    lease_s: float | None = None
+    """``X-AgentKV-Lease``: keep the conversation's handles while the agent lives."""
 
     @property
     def stream(self) -> bool:
@@ -95,30 +178,102 @@ class ClientRequest:
         return copy.deepcopy(self.body)
 
 
+def bearer(authorization: str | None) -> str:
+    """The key of an ``Authorization: Bearer <key>`` header ("" without one)."""
+    if authorization and authorization.lower().startswith("bearer "):
+        return authorization[7:].strip()
+    return ""
+
+
+def is_admin(config: RouterConfig, authorization: str | None) -> bool:
+    """Whether the header carries one of ``admin_api_keys``."""
+    token = bearer(authorization)
+    return bool(token) and any(hmac.compare_digest(token, k) for k in config.admin_api_keys)
+
+
+@functools.lru_cache(maxsize=4096)
+def derived_salt(tenant: str, secret: str | None) -> str:
+    """A tenant's default ``cache_salt``: HMAC-SHA256 of its name under ``salt_secret`` (under
+    a fixed key when none is configured), 128 bits in hex. Every replica derives the same."""
+    key = (secret or "agentkv-tenant-salt-v1").encode()
+    return "akv-" + hmac.new(key, tenant.encode(), hashlib.sha256).hexdigest()[:32]
+
+
 def tenant_for(config: RouterConfig, authorization: str | None) -> tuple[str, str | None]:
     """(tenant name, cache salt) for an ``Authorization`` header; 401 when keys are configured
-    and this one is unknown."""
+    and this one is unknown. Without tenants: ``("default", None)`` (no salt)."""
     if not config.tenants:
         return "default", None
-    token = ""
-    if authorization and authorization.lower().startswith("bearer "):
-        token = authorization[7:].strip()
+    token = bearer(authorization)
     for tenant in config.tenants:
         if token in tenant.api_keys:
-            return tenant.name, tenant.cache_salt
+            if tenant.share_prefix_cache:
+                return tenant.name, None
+            if tenant.cache_salt is not None:
+                return tenant.name, tenant.cache_salt
+            return tenant.name, derived_salt(tenant.name, config.salt_secret)
     raise RouterError(401, "Invalid or missing API key (Authorization: Bearer <key>).")
+
+
+def effective_salt(tenant_salt: str | None, client_salt: str | None) -> str | None:
+    """The ``cache_salt`` the engines get: the tenant's, then the client's own after a ``:``
+    (hashed when the two would pass vLLM's 128 characters). A tenant salt never contains ``:``,
+    so no client salt can make one tenant's namespace equal another's."""
+    if tenant_salt is None:
+        return client_salt
+    if client_salt is None:
+        return tenant_salt
+    combined = f"{tenant_salt}:{client_salt}"
+    if len(combined) <= _MAX_SALT:
+        return combined
+    return f"{tenant_salt}:h-{hashlib.sha256(client_salt.encode()).hexdigest()[:32]}"
+
+
+def _check_salt(value: Any) -> str | None:
+    """vLLM's rule for ``cache_salt``: absent, or a non-empty string of at most 128 characters
+    without ``@``, ``/``, ``\\`` or NUL."""
+    if value is None:
+        return None
+    if (
+        not isinstance(value, str)
+        or not value
+        or len(value) > _MAX_SALT
+        or any(c in value for c in _SALT_FORBIDDEN)
+    ):
+        raise RouterError(
+            400,
+            "`cache_salt` must be a non-empty string of at most 128 characters without "
+            "'@', '/', '\\' or NUL.",
+            param="cache_salt",
+        )
+    return value
 
 
 def _ids(value: Any, param: str) -> list[int]:
     if (
         not isinstance(value, list)
         or not value
-        or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+        or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID for t in value
+        )
     ):
         raise RouterError(
-            400, f"`{param}` must be a non-empty list of non-negative integers.", param=param
+            400,
+            f"`{param}` must be a non-empty list of token ids (integers from 0 to {MAX_TOKEN_ID}).",
+            param=param,
         )
     return list(value)
+
+
+def _epoch(raw: str) -> int:
+    """``X-AgentKV-Epoch``: a decimal integer in int64's range."""
+    value = raw.strip()
+    if _EPOCH.fullmatch(value) and -INT64_MAX - 1 <= int(value) <= INT64_MAX:
+        return int(value)
+    shown = raw if len(raw) <= 40 else raw[:40] + "…"
+    raise RouterError(
+        400, f"{HEADER_EPOCH} must be an integer in int64's range, got {shown!r}.", param=None
+    )
 
 
 def parse_request(
@@ -135,16 +290,19 @@ def parse_request(
     if not isinstance(body, dict):
         raise RouterError(400, "The request body must be a JSON object.")
     try:
-        (_Chat if chat else _Completion).model_validate(body)
+        model = (_Chat if chat else _Completion).model_validate(body)
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = ".".join(str(p) for p in first["loc"])
         raise RouterError(400, f"Invalid `{loc}`: {first['msg']}.", param=loc or None) from None
-    epoch_raw = headers.get(HEADER_EPOCH.lower(), "0")
-    try:
-        epoch = int(epoch_raw)
-    except ValueError:
-        raise RouterError(400, f"{HEADER_EPOCH} must be an integer, got {epoch_raw!r}.") from None
+    for name in _READ_BY_ROUTER:
+        if name in body:
+            value = getattr(model, name)
+            body[name] = (
+                value.model_dump(exclude_unset=True) if isinstance(value, BaseModel) else value
+            )
+    client_salt = _check_salt(body.get("cache_salt"))
+    epoch = _epoch(headers.get(HEADER_EPOCH.lower(), "0"))
     conversation = (
         headers.get(HEADER_CONVERSATION_ID.lower())
         or _str(body.get(BODY_CONVERSATION_ID))
@@ -172,8 +330,9 @@ def parse_request(
             raise RouterError(
                 400, "The router serves one prompt per completions request.", param="prompt"
             )
-    if salt is not None:
-        body["cache_salt"] = salt if not body.get("cache_salt") else f"{salt}:{body['cache_salt']}"
+    effective = effective_salt(salt, client_salt)
+    if effective is not None:
+        body["cache_salt"] = effective
     return ClientRequest(
         chat=chat,
         body=body,
@@ -182,7 +341,23 @@ def parse_request(
         conversation_id=conversation,
         epoch=epoch,
         prompt_ids=prompt_ids,
+        lease_s=lease_seconds(headers.get(HEADER_LEASE.lower())),
     )
+
+
+def lease_seconds(raw: Any) -> float | None:
+    """A lease length from a header or a body (400 unless a positive number up to a day)."""
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        value = math.nan
+    if not (0 < value <= 86_400):
+        raise RouterError(
+            400, f"{HEADER_LEASE} must be a number of seconds in (0, 86400], got {str(raw)[:40]!r}."
+        )
+    return value
 
 
 def _str(value: Any) -> str | None:

@@ -182,6 +182,11 @@ class HandleStore(Protocol):
         """Drop every handle held by ``decode_url`` (a D that died); how many were dropped."""
         ...
 
+    async def take_oldest(self, decode_url: str, fraction: float) -> list[StoredHandle]:
+        """Take the oldest ``fraction`` (at least one) of the live handles ``decode_url`` holds
+        (to release them when that D runs short of KV)."""
+        ...
+
     async def size(self) -> int:
         """How many live handles the store holds."""
         ...
@@ -334,6 +339,20 @@ class MemoryStore:
             if entry is not None and now < entry.expires_at:
                 dropped += 1
         return dropped
+
+    async def take_oldest(self, decode_url: str, fraction: float) -> list[StoredHandle]:
+        now = self._clock()
+        self._purge(now)
+        slots = sorted(
+            self._by_decode.get(decode_url, ()),
+            key=lambda slot: self._convs[slot[0]][slot[1]].stored_at,
+        )
+        out: list[StoredHandle] = []
+        for key, handle_id in slots[: max(1, int(len(slots) * fraction))] if slots else []:
+            entry = self._remove(key, handle_id)
+            if entry is not None:
+                out.append(entry.handle)
+        return out
 
     async def size(self) -> int:
         self._purge(self._clock())

@@ -232,9 +232,7 @@ def test_redis_dying_under_traffic_costs_reuse_not_answers(tmp_path: Path):
     process, port = _start(binary, tmp_path)
     url = f"redis://127.0.0.1:{port}/0"
     try:
-        with stack(
-            tmp_path, p_args=NO_P_CACHE, router={"store": url, "store_open_s": 0.5}
-        ) as s:
+        with stack(tmp_path, p_args=NO_P_CACHE, router={"store": url, "store_open_s": 0.5}) as s:
             ids = ids_of(s, LONG)
             statuses: list[int] = []
             for i in range(6):

@@ -558,7 +558,9 @@ async def test_delete_returns_every_branch(hk: Harness) -> None:
     assert await hk.store.size() == 0
 
 
-async def test_redis_racing_replicas_take_one_branch_once(redis_url: str, anyio_backend: str) -> None:
+async def test_redis_racing_replicas_take_one_branch_once(
+    redis_url: str, anyio_backend: str
+) -> None:
     prefix = f"test-{uuid.uuid4().hex}:"
     a, b = RedisStore(redis_url, prefix=prefix), RedisStore(redis_url, prefix=prefix)
     try:

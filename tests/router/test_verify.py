@@ -62,8 +62,12 @@ def test_chain_hashes_depend_on_everything_before():
 
 def test_chain_hashes_depend_on_the_root():
     ids = [1, 2, 3, 4]
-    assert chain_hashes(ids, BS, hash_root("m", "s1")) != chain_hashes(ids, BS, hash_root("m", "s2"))
-    assert chain_hashes(ids, BS, hash_root("a", None)) != chain_hashes(ids, BS, hash_root("b", None))
+    assert chain_hashes(ids, BS, hash_root("m", "s1")) != chain_hashes(
+        ids, BS, hash_root("m", "s2")
+    )
+    assert chain_hashes(ids, BS, hash_root("a", None)) != chain_hashes(
+        ids, BS, hash_root("b", None)
+    )
 
 
 def test_prompt_hashes_extend_lazily_and_agree():
@@ -115,7 +119,12 @@ def test_epoch_change_keeps_the_verified_prefix():
     # the epoch is a hint: a rewrite that kept the first 3 blocks still pulls them
     prompt = [*HELD[:12], 0, 0, 0, 0, 5]
     p = plan(prompt, h=handle(epoch=0), epoch=1)
-    assert (p.decision, p.attached_tokens, p.verified_tokens, p.cause) == ("pull", 12, 12, "rewrite")
+    assert (p.decision, p.attached_tokens, p.verified_tokens, p.cause) == (
+        "pull",
+        12,
+        12,
+        "rewrite",
+    )
     assert wire(p)["remote_block_ids"] == [[1, 2, 3]]
 
 
