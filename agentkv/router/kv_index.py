@@ -159,8 +159,8 @@ class PrefixIndex:
         width = 8 * bs
         hit = 0
         parent = b""
-        chunk = 256  # blocks converted to int64 at a time (a miss stops early)
-        for first in range(0, cap, chunk):
+        first, chunk = 0, 8  # blocks converted to int64 at a time, doubling: a miss stops early
+        while first < cap:
             last = min(cap, first + chunk)
             raw = array("q", prompt_ids[first * bs : last * bs]).tobytes()
             for offset in range(0, (last - first) * width, width):
@@ -171,6 +171,7 @@ class PrefixIndex:
                 if held is None or (held != ns and not (type(held) is _Namespaces and ns in held)):
                     return hit * bs
                 hit += 1
+            first, chunk = last, min(chunk * 2, 1024)
         return hit * bs
 
     def local_prefix_tokens_from_hashes(
