@@ -8,6 +8,7 @@ becomes a turn).
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any, Generic, Literal, TypeVar, overload
 
@@ -15,6 +16,7 @@ import openai
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from agentkv._conversation import Ledger, TurnResult
+from agentkv._lease import AsyncLeaseRenewer, LeaseRenewer, LeaseStats
 from agentkv._receipt import Drift, Mode, RewriteReport, TurnReceipt
 from agentkv._rendering import (
     AsyncRemoteRenderer,
@@ -162,6 +164,8 @@ class Conversation(_BaseConversation[openai.OpenAI]):
         try:
             prompt_ids = self._render()
             request = ledger.request(prompt_ids, chat_kwargs)
+            if client._lease is not None:
+                client._lease.turn(self, ledger.id, request["extra_headers"])
             started = time.perf_counter()
             raw = retrying(client.retries)(
                 lambda: client.openai.chat.completions.with_raw_response.create(**request)
@@ -202,7 +206,10 @@ class Conversation(_BaseConversation[openai.OpenAI]):
 
     def close(self) -> bool:
         """Ask the router to release this conversation's KV now. True when it released a
-        handle; False when it held none, or the server has no such endpoint (plain vLLM)."""
+        handle; False when it held none, or the server has no such endpoint (plain vLLM).
+        Its lease, if any, is renewed no more."""
+        if self._client._lease is not None:
+            self._client._lease.forget(self)
         path, headers = _close_request(self._ledger)
         try:
             answer = self._client.openai.with_options(max_retries=0).delete(
@@ -267,6 +274,9 @@ class Client:
             ``/tokenize``; default) or a :class:`~agentkv._rendering.Renderer` such as
             ``agentkv.LocalRenderer(...)``.
         retries: attempts after the first on connection errors, 429 and 503 (tenacity).
+        lease_s: a retention lease (seconds): every turn carries ``X-AgentKV-Lease`` and a
+            background thread renews the lease of every open conversation with one batched
+            request every ``lease_s / 3`` (see docs/sdk.md, "Leases"). None: no lease.
         **openai_kwargs: passed to ``openai.OpenAI`` (``base_url``, ``api_key``, ...).
     """
 
@@ -276,6 +286,7 @@ class Client:
         renderer: str | Renderer = "remote",
         retries: int = 2,
         openai_client: openai.OpenAI | None = None,
+        lease_s: float | None = None,
         **openai_kwargs: Any,
     ) -> None:
         if openai_client is None:
@@ -290,6 +301,14 @@ class Client:
                 raise ValueError("renderer must be 'remote' or a Renderer instance")
             renderer = RemoteRenderer.for_client(openai_client)
         self.renderer: Renderer = renderer
+        self._lease = None if lease_s is None else LeaseRenewer.for_openai(openai_client, lease_s)
+        if self._lease is not None:
+            weakref.finalize(self, self._lease.close)
+
+    @property
+    def lease_stats(self) -> LeaseStats | None:
+        """What the lease renewer has done; None without ``lease_s``."""
+        return None if self._lease is None else self._lease.stats
 
     def conversation(
         self,
@@ -316,7 +335,10 @@ class Client:
         return Conversation.from_state(self, state)
 
     def close(self) -> None:
-        """Close the HTTP connections (the openai client's and the renderer's)."""
+        """Stop the lease renewer; close the HTTP connections (the openai client's and the
+        renderer's)."""
+        if self._lease is not None:
+            self._lease.close()
         self.openai.close()
         closer = getattr(self.renderer, "close", None)
         if callable(closer):
@@ -381,6 +403,8 @@ class AsyncConversation(_BaseConversation[openai.AsyncOpenAI]):
         try:
             prompt_ids = await self._render()
             request = ledger.request(prompt_ids, chat_kwargs)
+            if client._lease is not None:
+                client._lease.turn(self, ledger.id, request["extra_headers"])
             started = time.perf_counter()
 
             async def send() -> Any:
@@ -426,6 +450,8 @@ class AsyncConversation(_BaseConversation[openai.AsyncOpenAI]):
         return receipt
 
     async def close(self) -> bool:
+        if self._client._lease is not None:
+            self._client._lease.forget(self)
         path, headers = _close_request(self._ledger)
         try:
             answer = await self._client.openai.with_options(max_retries=0).delete(
@@ -479,6 +505,7 @@ class AsyncClient:
         renderer: str | AsyncRenderer = "remote",
         retries: int = 2,
         openai_client: openai.AsyncOpenAI | None = None,
+        lease_s: float | None = None,
         **openai_kwargs: Any,
     ) -> None:
         if openai_client is None:
@@ -493,6 +520,16 @@ class AsyncClient:
                 raise ValueError("renderer must be 'remote' or an AsyncRenderer instance")
             renderer = AsyncRemoteRenderer.for_client(openai_client)
         self.renderer: AsyncRenderer = renderer
+        self._lease = (
+            None if lease_s is None else AsyncLeaseRenewer.for_openai(openai_client, lease_s)
+        )
+        if self._lease is not None:
+            weakref.finalize(self, self._lease.close)
+
+    @property
+    def lease_stats(self) -> LeaseStats | None:
+        """What the lease renewer has done; None without ``lease_s``."""
+        return None if self._lease is None else self._lease.stats
 
     def conversation(
         self,
@@ -518,6 +555,8 @@ class AsyncClient:
         return AsyncConversation.from_state(self, state)
 
     async def close(self) -> None:
+        if self._lease is not None:
+            await self._lease.aclose()
         await self.openai.close()
         closer = getattr(self.renderer, "aclose", None)
         if callable(closer):

@@ -461,12 +461,20 @@ class KVEventSubscriber:
         sub.setsockopt(zmq.LINGER, 0)
         if address.startswith("tcp://["):
             sub.setsockopt(zmq.IPV6, 1)
-        if bind:
-            self._monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
-            sub.bind(address)
-        else:
-            sub.setsockopt(zmq.SUBSCRIBE, self._topic)
-            sub.connect(address)
+        try:
+            if bind:
+                self._monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+                sub.bind(address)
+            else:
+                sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+                sub.connect(address)
+        except zmq.ZMQError:  # e.g. the address is in use: leave nothing open behind
+            if self._monitor is not None:
+                sub.disable_monitor()
+                self._monitor.close(linger=0)
+                self._monitor = None
+            sub.close(linger=0)
+            raise
         self._sub = sub
         self._task = asyncio.create_task(self._run(), name=f"kv-events {self.endpoint}")
         if self._monitor is not None:

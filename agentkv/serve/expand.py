@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -315,10 +316,19 @@ def router_config(
     prefill_urls: list[str],
     decode_urls: list[str],
     store: str | None = None,
+    prefill_kv_events: Sequence[dict[str, Any] | None] = (),
 ) -> dict[str, Any]:
-    """The router's configuration, from the values the engines get; validated."""
+    """The router's configuration, from the values the engines get; validated.
+    ``prefill_kv_events[i]``: prefill instance i's ``--kv-events-config``, if it has one."""
+    prefill: list[dict[str, Any]] = []
+    for i, url in enumerate(prefill_urls):
+        backend: dict[str, Any] = {"url": url, "bidirectional": profile.bidirectional}
+        events = prefill_kv_events[i] if i < len(prefill_kv_events) else None
+        if events is not None:
+            backend["kv_events"] = events
+        prefill.append(backend)
     config: dict[str, Any] = {
-        "prefill": [{"url": u, "bidirectional": profile.bidirectional} for u in prefill_urls],
+        "prefill": prefill,
         "decode": [
             {
                 "url": u,
@@ -350,9 +360,12 @@ def expand(profile: Profile, *, host: str = "127.0.0.1") -> Deployment:
     """Every process of ``profile`` on ``host``: prefill, decode, then the router. Pure."""
     specs: list[ProcessSpec] = []
     urls: dict[str, list[str]] = {"prefill": [], "decode": []}
+    events: list[dict[str, Any] | None] = []
     for inst in instances(profile):
         url = _url(host, inst.port)
         urls[inst.role].append(url)
+        if inst.role == "prefill":
+            events.append(kv_events_config(profile, inst, host))
         specs.append(
             ProcessSpec(
                 name=inst.name,
@@ -364,7 +377,11 @@ def expand(profile: Profile, *, host: str = "127.0.0.1") -> Deployment:
             )
         )
     config = router_config(
-        profile, host=host, prefill_urls=urls["prefill"], decode_urls=urls["decode"]
+        profile,
+        host=host,
+        prefill_urls=urls["prefill"],
+        decode_urls=urls["decode"],
+        prefill_kv_events=events,
     )
     specs.append(
         ProcessSpec(
