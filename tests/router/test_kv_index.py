@@ -288,7 +288,9 @@ async def test_index_predicts_the_sims_local_hit() -> None:
                 assert await complete(history) == (0, 0)
                 for turn in range(1, 4):
                     nxt = [*history, *range(9000 + turn * 10, 9000 + turn * 10 + BS + 1)]
-                    await _until(lambda nxt=nxt: index.local_prefix_tokens(nxt) > 0)
+                    # Events are asynchronous: wait until the last turn's prompt blocks are in.
+                    held = len(history) // BS * BS
+                    await _until(lambda nxt=nxt, held=held: index.local_prefix_tokens(nxt) >= held)
                     predicted = index.local_prefix_tokens(nxt)
                     local, cached = await complete(nxt)
                     assert predicted == local == cached > 0, (turn, predicted, local)
