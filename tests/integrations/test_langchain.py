@@ -284,3 +284,40 @@ def test_a_framework_that_renames_tool_call_ids_gets_a_rewrite_not_an_error(
     assert receipt["sync"] == "rewrite" and receipt["epoch"] == 1
     assert receipt["decision"] in ("stale", "recompute", "pull")  # pull: the verified prefix
     assert pd.wrong_kv() == 0
+
+
+def test_two_models_on_one_thread_both_pull(
+    pd: Stack, sdk_clients: Any, scripts: Scripts, recorder: Recorder
+) -> None:
+    """A graph with two ChatAgentKV nodes (a planner and a writer, their own system prompts) on
+    one thread: both send the thread id, and each branch's later calls read its own KV back."""
+    planner = model_for(sdk_clients, recorder)
+    writer = model_for(sdk_clients, recorder)
+
+    def plan(state: MessagesState) -> dict[str, list[AnyMessage]]:
+        reply = planner.invoke([SystemMessage("You plan. " * 40), *state["messages"]])
+        return {"messages": [reply]}
+
+    def write(state: MessagesState) -> dict[str, list[AnyMessage]]:
+        reply = writer.invoke([SystemMessage("You write. " * 40), *state["messages"]])
+        return {"messages": [reply]}
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("plan", plan)
+    graph.add_node("write", write)
+    graph.add_edge(START, "plan")
+    graph.add_edge("plan", "write")
+    app = graph.compile(checkpointer=InMemorySaver())
+    config: Any = {"configurable": {"thread_id": "lc-branches"}}
+    for i in range(3):
+        scripts.extend([answer(f"Plan {i}. " * 8), answer(f"Draft {i}. " * 8)])
+        app.invoke({"messages": [HumanMessage(f"Step {i}?")]}, config)
+    sent = {r["headers"]["x-conversation-id"] for r in scripts.requests}
+    assert sent == {"lc-branches"}
+    turns = recorder.of("lc-branches")
+    assert len(turns) == 6
+    decisions = [t.receipt.decision for t in turns]
+    # planner, writer, planner, writer, ...: after each branch's first call, every call pulls
+    assert decisions[0] == "miss" and decisions[1] in ("miss", "stale"), decisions
+    assert decisions[2:] == ["pull"] * 4, decisions
+    assert pd.wrong_kv() == 0
