@@ -27,6 +27,7 @@ extends = "local"
 name = "test-local"
 [prefill]
 base_port = {free_port()}
+kv_events_base_port = {free_port()}
 [decode]
 base_port = {free_port()}
 [router]
