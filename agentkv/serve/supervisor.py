@@ -1,26 +1,32 @@
 """Run a :class:`~agentkv.serve.Deployment`: start, watch, and stop every process in order.
 
 1. Write each process's config file (the router's) into a private directory.
-2. Start the processes in the deployment's order (prefill, decode, router), each in its own
-   session, with its output prefixed by its name.
+2. Start the processes in the deployment's order (prefill, decode, router), with their output
+   prefixed by their names. They stay in the supervisor's process group, so Ctrl-C in the shell
+   that started it (or ``kill -- -PGID``) reaches every one of them, and on Linux each is told
+   to die with the supervisor (``PR_SET_PDEATHSIG``: SIGTERM when the supervisor dies, even
+   by SIGKILL).
 3. Wait until each answers ``/health``, showing progress; a process that exits first fails the
    start with its name and exit code (and its last lines).
-4. Watch: a child that exits ends the run with its name (non-zero); SIGINT/SIGTERM end it
-   cleanly.
-5. Stop in reverse order (router first): SIGTERM, then SIGKILL after a grace period.
+4. Watch: a child that exits ends the run with its name (non-zero); SIGINT/SIGTERM/SIGHUP end
+   it cleanly.
+5. Stop in reverse order (router first): SIGTERM, then SIGKILL after a grace period, to the
+   process and to what it started (an engine's own workers).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -35,6 +41,61 @@ from agentkv.serve import Deployment, ProcessSpec
 __all__ = ["ServeError", "Supervisor"]
 
 _COLORS = ("cyan", "magenta", "green", "yellow", "blue", "bright_cyan", "bright_magenta")
+_PR_SET_PDEATHSIG = 1
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child receive ``sig`` when the process (strictly: the
+    thread) that starts it dies, however it dies; None where ``prctl`` does not exist (not
+    Linux). SIGTERM rather than SIGKILL, so an engine can still stop what it started itself.
+
+    libc is resolved here, in the parent: the child, between fork and exec, only makes the
+    call (and checks that the parent did not die before it).
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the call: nobody will signal
+            os._exit(1)
+
+    return preexec
+
+
+def _stat(pid: int | str) -> list[bytes]:
+    """``/proc/PID/stat`` after the command name: state, ppid, …, start time at index 19."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return []
+    return stat[stat.rfind(b")") + 2 :].split()
+
+
+def _descendants(pid: int) -> list[tuple[int, bytes]]:
+    """Every process below ``pid``, with its start time (Linux ``/proc``; elsewhere none)."""
+    children: dict[int, list[tuple[int, bytes]]] = {}
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc"):
+            fields = _stat(entry) if entry.isdigit() else []
+            if len(fields) > 19:
+                children.setdefault(int(fields[1]), []).append((int(entry), fields[19]))
+    out: list[tuple[int, bytes]] = []
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child[0])
+    return out
 
 
 class ServeError(Exception):
@@ -80,6 +141,7 @@ class Supervisor:
         self._dir: tempfile.TemporaryDirectory[str] | None = None
         self._stop = threading.Event()
         self.failed: ServeError | None = None
+        self._preexec = die_with_parent()
 
     # -- starting ------------------------------------------------------------------------------
     def _argv(self, spec: ProcessSpec, config_dir: str) -> list[str]:
@@ -110,7 +172,7 @@ class Supervisor:
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,
+                preexec_fn=self._preexec,
             )
         except OSError as exc:
             raise ServeError(spec.name, f"cannot start {argv[0]!r}: {exc}") from exc
@@ -147,6 +209,8 @@ class Supervisor:
         with status, httpx.Client(trust_env=False) as client:
             while time.monotonic() < deadline:
                 if child.process.poll() is not None:
+                    if self._stop.is_set():
+                        raise ServeError(child.spec.name, "interrupted while starting")
                     raise self._dead(child)
                 with contextlib.suppress(httpx.HTTPError):
                     if client.get(child.spec.health_url, timeout=2.0).status_code == 200:
@@ -169,14 +233,16 @@ class Supervisor:
         while not self._stop.wait(0.2):
             for child in self.children:
                 if child.process.poll() is not None:
+                    if self._stop.wait(0.5):
+                        return 0  # Ctrl-C reached the child too, and it was first to act
                     self.failed = self._dead(child)
                     return 1
         return 0
 
     @contextlib.contextmanager
     def signals(self) -> Iterator[None]:
-        """Route SIGINT and SIGTERM to :meth:`request_stop` while the block runs."""
-        old = {s: signal.signal(s, self.request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+        """Route SIGINT, SIGTERM and SIGHUP to :meth:`request_stop` while the block runs."""
+        old = {s: signal.signal(s, self.request_stop) for s in _STOP_SIGNALS}
         try:
             yield
         finally:
@@ -198,14 +264,20 @@ class Supervisor:
     def _terminate(self, child: _Child) -> None:
         if child.process.poll() is not None:
             return
+        below = _descendants(child.process.pid)
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(child.process.pid, signal.SIGTERM)
+            child.process.send_signal(signal.SIGTERM)
         try:
             child.process.wait(self.grace_s)
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(child.process.pid, signal.SIGKILL)
+                child.process.kill()
             child.process.wait()
+        for pid, started in below:  # what it started and left behind (the same process)
+            fields = _stat(pid)
+            if len(fields) > 19 and fields[19] == started:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
 
     def __enter__(self) -> Supervisor:
         self.start()
