@@ -187,19 +187,21 @@ def kv_transfer_config(profile: Profile, role: EngineRole) -> dict[str, Any]:
 
 def kv_events_config(profile: Profile, inst: Instance, host: str) -> dict[str, Any] | None:
     """vLLM's ``--kv-events-config`` for one instance (``KVEventsConfig``, vLLM 0.33), or None:
-    prefill instances only, when ``prefill.kv_events_base_port`` is set. The endpoint is not a
-    wildcard, so the engine connects and the router binds ``tcp://HOST:PORT``."""
+    prefill instances only, when ``prefill.kv_events_base_port`` is set.
+
+    Engines on one host (``127.0.0.1``): ``tcp://HOST:PORT``, not a wildcard, so the engine
+    connects and the router binds it (vLLM cannot bind a single interface: it binds only
+    wildcard endpoints). Engines on every interface (``0.0.0.0``, as in Kubernetes):
+    ``tcp://*:PORT``, so the engine binds and the router connects to the engine's host."""
     base = profile.prefill.kv_events_base_port
     if inst.role != "prefill" or base is None:
         return None
-    address = _connect_host(host)
-    address = f"[{address}]" if ":" in address else address
-    return {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        "endpoint": f"tcp://{address}:{base + inst.index}",
-        "topic": "kv",
-    }
+    port = base + inst.index
+    if host in ("0.0.0.0", "", "::"):
+        endpoint = f"tcp://*:{port}"
+    else:
+        endpoint = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv"}
 
 
 def _kv_events_argv(profile: Profile, inst: Instance, host: str) -> list[str]:

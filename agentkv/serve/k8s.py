@@ -26,6 +26,7 @@ from agentkv.serve.expand import (
     engine_argv,
     engine_env,
     instances,
+    kv_events_config,
     router_config,
 )
 from agentkv.serve.profiles import Profile
@@ -109,6 +110,10 @@ def _engine_objects(profile: Profile, inst: Instance, namespace: str) -> list[di
         {"name": k, "value": v} for k, v in engine_env(profile, inst, None).items()
     ]
     ports: list[dict[str, Any]] = [{"name": "http", "containerPort": inst.port}]
+    events = kv_events_config(profile, inst, "0.0.0.0")
+    if events is not None:  # the engine binds tcp://*:PORT; the router connects to the Service
+        events_port = int(events["endpoint"].rsplit(":", 1)[1])
+        ports.append({"name": "kv-events", "containerPort": events_port})
     if vllm:
         env.append(
             {
@@ -206,6 +211,9 @@ def _router_objects(
         prefill_urls=urls["prefill"],
         decode_urls=urls["decode"],
         store=f"redis://{_base(profile)}-redis:{_REDIS_PORT}/0",
+        prefill_kv_events=[
+            kv_events_config(profile, inst, "0.0.0.0") for inst in insts if inst.role == "prefill"
+        ],
     )
     config_map = {
         "apiVersion": "v1",

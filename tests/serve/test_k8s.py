@@ -123,3 +123,26 @@ def test_yaml_writer_round_trips_awkward_values():
         "unicode": "héllo ✓",
     }
     assert yaml.safe_load(dump_yaml(value)) == value
+
+
+def test_prefill_pods_publish_kv_events_the_router_connects_to():
+    """In a cluster the engines listen on every interface: P binds ``tcp://*:PORT`` (its
+    Service exposes the port) and the router connects to each P's Service name."""
+    objects = k8s_manifests(load_profile("llama-3.1-8b-2p4d"))
+    deployments = by_kind(objects, "Deployment")
+    services = by_kind(objects, "Service")
+    for i in range(2):
+        name = f"llama-3-1-8b-2p4d-prefill-{i}"
+        argv = container(deployments[name])["command"]
+        events = json.loads(argv[argv.index("--kv-events-config") + 1])
+        assert events["endpoint"] == f"tcp://*:{5800 + i}" and events["topic"] == "kv"
+        ports = {p["name"]: p["port"] for p in services[name]["spec"]["ports"]}
+        assert ports["kv-events"] == 5800 + i
+    for i in range(4):
+        argv = container(deployments[f"llama-3-1-8b-2p4d-decode-{i}"])["command"]
+        assert "--kv-events-config" not in argv
+    (config_map,) = by_kind(objects, "ConfigMap").values()
+    cfg = RouterConfig.model_validate(json.loads(config_map["data"]["router.json"]))
+    for i, backend in enumerate(cfg.prefill):
+        assert backend.kv_events is not None and backend.kv_events.endpoint == f"tcp://*:{5800 + i}"
+        assert backend.host == f"llama-3-1-8b-2p4d-prefill-{i}"
