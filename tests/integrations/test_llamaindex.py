@@ -126,6 +126,10 @@ def test_memory_flush_with_fact_extraction_is_a_rewrite(
     assert rewrites, "the memory never flushed"
     assert main[-1].receipt.epoch == len(rewrites)
     recorder.assert_exact("li-facts")
+    # planner v2: the flush keeps the system prompt and what precedes the dropped messages, and
+    # that verified prefix is read back — every turn after the first pulls, rewrites included
+    assert [t.receipt.decision for t in main[1:]] == ["pull"] * (len(main) - 1)
+    assert all(t.receipt.trim_cause == "rewrite" for t in rewrites)
     # the fact extractor reads old messages: a conversation of its own, not a rewrite of ours
     asides = [i for i in recorder.ids() if i != "li-facts"]
     assert asides and all(i.startswith("li-facts#") for i in asides)
