@@ -509,53 +509,121 @@ def test_async_client_outside_a_loop_starts_no_task() -> None:
 
 
 # -- against a real router (simulator P and D processes) -------------------------------------------
-@pytest.mark.e2e
-@pytest.mark.slow
-def test_router_lease_routes_keep_a_live_agent_and_free_a_gone_one(tmp_path: Path) -> None:
+E2E_LEASE = 1.0
+
+CHILD = """
+import sys, time
+import agentkv
+
+client = agentkv.Client(base_url=sys.argv[1], api_key="k", lease_s=float(sys.argv[2]))
+conv = client.conversation(model="agentkv-sim", system="You are a patient agent. " * 20)
+conv.add_user("Run the test suite.")
+conv.create(max_tokens=40)
+print(conv.id, flush=True)
+while client.lease_stats.requests < 2:  # the tool runs; the renewer keeps the lease
+    time.sleep(0.05)
+print("renewing", flush=True)
+time.sleep(600)  # killed here, mid-wait
+"""
+
+
+@pytest.fixture(scope="module")
+def router_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from stack import stack  # type: ignore[import-not-found]
 
-    lease = 1.0
-    with stack(tmp_path, p_args=(("--no-prefix-caching",),)) as s:
-        live = agentkv.Client(base_url=f"{s.router.url}/v1", api_key="k", lease_s=lease)
-        gone = agentkv.Client(base_url=f"{s.router.url}/v1", api_key="k", lease_s=lease)
-        try:
-            conv = live.conversation(model="agentkv-sim", system="You are terse. " * 20)
-            conv.add_user("Read the file.")
-            conv.create(max_tokens=40)
+    with stack(tmp_path_factory.mktemp("lease"), p_args=(("--no-prefix-caching",),)) as s:
+        yield s
 
-            # the routes, as the contract has them (the tenant's key, like every route)
-            with httpx.Client(
-                base_url=s.router.url, headers={"Authorization": "Bearer k"}, timeout=30
-            ) as h:
-                one = h.post(f"/v1/conversations/{conv.id}/lease", json={"lease_s": 30})
-                assert one.status_code == 200, one.text
-                assert one.json() == {"id": conv.id, "object": "conversation.lease", "lease_s": 30}
-                many = h.post("/v1/conversations/leases", json={"lease_s": 30, "ids": [conv.id]})
-                assert many.status_code == 200, many.text
-                assert many.json() == {
-                    "object": "list",
-                    "data": [{"id": conv.id, "object": "conversation.lease", "lease_s": 30}],
-                }
 
-            # a live agent: a tool wait longer than the lease keeps its reuse
-            time.sleep(2.5 * lease)
-            stats = live.lease_stats
-            assert stats is not None and stats.requests >= 2 and not stats.stopped
-            assert stats.failures == 0
-            conv.add_user("The tool answered.")
-            conv.create(max_tokens=40)
-            receipt = conv.last_receipt
-            assert receipt is not None and receipt.decision == "pull"
-            assert (receipt.reused_tokens or 0) > 0
+def held(s: Any) -> int:
+    return int(s.retained(s.decode[0]))
 
-            # a gone agent (its renewals stop, no close): D's blocks are freed soon after
-            held = s.retained(s.decode[0])
-            other = gone.conversation(model="agentkv-sim", system="You are brief. " * 20)
-            other.add_user("Hello.")
-            other.create(max_tokens=40)
-            wait_for(lambda: s.retained(s.decode[0]) > held, timeout_s=10)
-            gone.close()
-            wait_for(lambda: s.retained(s.decode[0]) <= held, timeout_s=lease + 5)
-        finally:
-            live.close()
-            gone.close()
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_router_lease_routes_keep_a_live_agent_and_free_a_gone_one(router_stack: Any) -> None:
+    s, lease = router_stack, E2E_LEASE
+    live = agentkv.Client(base_url=f"{s.router.url}/v1", api_key="k", lease_s=lease)
+    gone = agentkv.Client(base_url=f"{s.router.url}/v1", api_key="k", lease_s=lease)
+    try:
+        conv = live.conversation(model="agentkv-sim", system="You are terse. " * 20)
+        conv.add_user("Read the file.")
+        conv.create(max_tokens=40)
+
+        # the routes, as the contract has them (the tenant's key, like every route)
+        with httpx.Client(
+            base_url=s.router.url, headers={"Authorization": "Bearer k"}, timeout=30
+        ) as h:
+            one = h.post(f"/v1/conversations/{conv.id}/lease", json={"lease_s": 30})
+            assert one.status_code == 200, one.text
+            assert one.json() == {"id": conv.id, "object": "conversation.lease", "lease_s": 30}
+            many = h.post("/v1/conversations/leases", json={"lease_s": 30, "ids": [conv.id]})
+            assert many.status_code == 200, many.text
+            assert many.json() == {
+                "object": "list",
+                "data": [{"id": conv.id, "object": "conversation.lease", "lease_s": 30}],
+            }
+
+        # a live agent: a tool wait longer than the lease keeps its reuse
+        time.sleep(2.5 * lease)
+        stats = live.lease_stats
+        assert stats is not None and stats.requests >= 2 and not stats.stopped
+        assert stats.failures == 0
+        conv.add_user("The tool answered.")
+        conv.create(max_tokens=40)
+        receipt = conv.last_receipt
+        assert receipt is not None and receipt.decision == "pull"
+        assert (receipt.reused_tokens or 0) > 0
+
+        # a gone agent (its renewals stop, no close): D's blocks are freed soon after
+        before = held(s)
+        other = gone.conversation(model="agentkv-sim", system="You are brief. " * 20)
+        other.add_user("Hello.")
+        other.create(max_tokens=40)
+        wait_for(lambda: held(s) > before, timeout_s=10)
+        gone.close()
+        wait_for(lambda: held(s) <= before, timeout_s=lease + 5)
+
+        # close() releases at once
+        assert conv.close() is True
+        wait_for(lambda: held(s) < before, timeout_s=5)
+    finally:
+        live.close()
+        gone.close()
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_killed_client_process_frees_its_kv_within_the_lease(
+    router_stack: Any, tmp_path: Path
+) -> None:
+    import subprocess
+
+    s, lease = router_stack, E2E_LEASE
+    before = held(s)
+    script = tmp_path / "agent.py"
+    script.write_text(CHILD)
+    child = subprocess.Popen(
+        [sys.executable, str(script), f"{s.router.url}/v1", str(lease)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None
+        cid = child.stdout.readline().strip()
+        assert cid, "the agent process made no turn"
+        assert child.stdout.readline().strip() == "renewing"
+        assert held(s) == before + 1
+        time.sleep(2 * lease)  # alive and waiting on a tool: kept past its lease
+        assert child.poll() is None and held(s) == before + 1
+        child.kill()
+        child.wait(10)
+        killed = time.monotonic()
+        wait_for(lambda: held(s) == before, timeout_s=lease + 5)
+        assert time.monotonic() - killed < lease + 5
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)
+        if child.stdout is not None:
+            child.stdout.close()
