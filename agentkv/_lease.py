@@ -362,13 +362,16 @@ class LeaseRenewer(_Driver):
     ) -> None:
         """A turn is being sent: add the lease header, keep the conversation alive."""
         self._track(conversation, conversation_id, headers)
-        if self._thread is None and not self.closed and not self.core.stopped:
-            with self._start_lock:
-                if self._thread is None and not self.closed:
+        if not self._running() and not self.closed and not self.core.stopped:
+            with self._start_lock:  # (again after a fork: the child has no renewer thread)
+                if not self._running() and not self.closed:
                     self._thread = threading.Thread(
                         target=self._run, name="agentkv-lease-renewer", daemon=True
                     )
                     self._thread.start()
+
+    def _running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     def close(self, timeout_s: float = 1.0) -> None:
         """Stop renewing (promptly: the thread waits on an Event, not a sleep)."""
