@@ -192,26 +192,34 @@ def test_300_mb_chunked_body_is_refused_while_it_streams(plain):
                     sent += len(piece)
                 sock.sendall(b"0\r\n\r\n")
 
+        def sample() -> None:
+            nonlocal peak
+            while sender.is_alive():
+                peak = max(peak, rss_mib(pid))
+                time.sleep(0.005)
+
         sender = threading.Thread(target=send, daemon=True)
+        sampler = threading.Thread(target=sample, daemon=True)
         started = time.perf_counter()
         sender.start()
+        sampler.start()
         response = b""
         with contextlib.suppress(ConnectionResetError, TimeoutError):
             while chunk := sock.recv(65536):
                 response += chunk
-                peak = max(peak, rss_mib(pid))
         sender.join(30)
+        sampler.join(30)
         elapsed = time.perf_counter() - started
     after = rss_mib(pid)
     assert response.startswith(b"HTTP/1.1 413"), response[:200]
     assert sent < 300 << 20, "the router read the whole body"
-    assert after - before < 2 * LIMIT / (1 << 20) + 32, (before, after)
+    assert peak - before < 2 * LIMIT / (1 << 20) + 32, (before, peak)
     # the router still answers
     r = httpx.post(f"{plain.router.url}/v1/chat/completions", json=chat_body(), timeout=30)
     assert r.status_code == 200
     print(
         f"\n300 MB chunked: 413 after {sent / (1 << 20):.0f} MiB sent in {elapsed:.2f} s; "
-        f"router RSS {before:.0f} -> {after:.0f} MiB"
+        f"router RSS {before:.0f} MiB before, {peak:.0f} MiB peak, {after:.0f} MiB after"
     )
 
 
@@ -273,14 +281,8 @@ def _bad_turns(url: str, conversation: str, key: str = "k") -> list[tuple[str, i
         r = h.post("/v1/chat/completions", json=chat_body(max_tokens=2**64 - 1))
         out.append(("max_tokens 2^64-1", r.status_code))
         assert_openai_error(r, 400)
-        for epoch in ("9" * 40, "9223372036854775808", "1_000", "0x10", "1e3", "٣"):
-            r = h.post(
-                "/v1/chat/completions",
-                json=chat_body(),
-                headers={"x-agentkv-epoch": epoch} if epoch.isascii() else {},
-            )
-            if not epoch.isascii():
-                continue
+        for epoch in ("9" * 40, "9223372036854775808", "1_000", "0x10", "1e3"):
+            r = h.post("/v1/chat/completions", json=chat_body(), headers={"x-agentkv-epoch": epoch})
             out.append((f"epoch {epoch!r}", r.status_code))
             assert_openai_error(r, 400)
     return out
@@ -290,11 +292,12 @@ def test_absurd_token_ids_and_epochs_are_400_and_the_handle_stays(plain):
     with agentkv.Client(base_url=f"{plain.router.url}/v1", api_key="k") as c:
         conv = _one_turn(c, "hostile-ints")
         answers = _bad_turns(plain.router.url, conv.id)
-        assert all(status == 400 for _, status in answers) and len(answers) >= 16
+        assert all(status == 400 for _, status in answers) and len(answers) == 19
         conv.add_user("turn 1")
         conv.create(max_tokens=40)
     assert conv.last_receipt.decision == "pull"
     assert plain.wrong_kv() == 0
+    print(f"\n{len(answers)} hostile turns, all 400; next turn {conv.last_receipt.decision}")
     failed = "agentkv_router_failed_requests_total[500]"
     assert router_metrics(plain.router.url).get(failed, 0) == 0
 
