@@ -172,7 +172,11 @@ class Supervisor:
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
-                preexec_fn=self._preexec,
+                # PR_SET_PDEATHSIG fires when the starting *thread* ends: only from the main
+                # thread, whose end is the process's
+                preexec_fn=(
+                    self._preexec if threading.current_thread() is threading.main_thread() else None
+                ),
             )
         except OSError as exc:
             raise ServeError(spec.name, f"cannot start {argv[0]!r}: {exc}") from exc
