@@ -143,7 +143,8 @@ def _fake_foreign_agentkv(where: Path, *, package: bool) -> None:
         "Summary: The SQLite of agent memory — embeddable vector + graph store for AI agents\n",
         encoding="utf-8",
     )
-    record = ["agentkv-0.9.1.dist-info/METADATA,,"]
+    (info / "INSTALLER").write_text("pip\n")
+    record = [f"{info.name}/{n},," for n in ("METADATA", "INSTALLER", "RECORD")]
     if package:
         (where / "agentkv").mkdir()
         (where / "agentkv" / "__init__.py").write_text('"""Agent memory."""\n')
@@ -296,3 +297,40 @@ def test_fresh_venv_installs_vllm_agentkv_and_the_adapters(tmp_path: Path) -> No
     lines = sim.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("agentkv: the Python package "), sim.stderr
     assert 'pip install "vllm-agentkv[' in lines[0]
+
+    # PyPI's agentkv installed on top, as pip leaves it: its dist-info, and (pip overwrites
+    # files two distributions share) its agentkv/__init__.py in place of ours
+    site_dir = Path(site)
+    _fake_foreign_agentkv(site_dir, package=False)
+    strict = subprocess.run(
+        [python, "-W", "error", "-c", "import agentkv"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert strict.returncode != 0 and "ForeignDistributionWarning" in strict.stderr, strict.stderr
+    init = site_dir / "agentkv" / "__init__.py"
+    init.write_text('"""Agent memory."""\n')
+    record = site_dir / "agentkv-0.9.1.dist-info" / "RECORD"
+    record.write_text(record.read_text() + "agentkv/__init__.py,,\n")
+    for adapter in ADAPTERS.values():
+        refused = subprocess.run(
+            [python, "-c", f"import {adapter.module}"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+            cwd=tmp_path,
+        )
+        last = refused.stderr.strip().splitlines()[-1]
+        assert refused.returncode != 0 and last.startswith("ImportError: "), refused.stderr
+        assert f"finds {init.resolve()}, overwritten since vllm-agentkv" in last, last
+        assert "and agentkv 0.9.1 is installed" in last, last
+        fix = "pip uninstall agentkv vllm-agentkv && pip install vllm-agentkv"
+        assert last.endswith(fix), last
+    # the fix it names (vllm-agentkv from this checkout: it is not on PyPI yet) works
+    run("-m", "pip", "uninstall", "-y", "-q", "agentkv", "vllm-agentkv")
+    run("-m", "pip", "install", "-q", "--disable-pip-version-check", str(ROOT), timeout=600)
+    assert run("-c", code).stdout.startswith("ok ")

@@ -35,18 +35,17 @@ def require_vllm_agentkv(adapter: str) -> None:
         dist: importlib.metadata.Distribution | None = importlib.metadata.distribution(DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
         dist = None
-    if dist is not None and origin is not None and _installed_by(dist, origin):
-        return
-    others = importlib.metadata.distributions(name="agentkv")
-    found = list(dict.fromkeys(f"{d.metadata['Name']} {d.version}" for d in others))
     if dist is None:
         problem = f"the distribution {DISTRIBUTION} is not installed"
     elif origin is None:
         problem = "no module 'agentkv' can be imported"
     else:
-        problem = (
-            f"'import agentkv' finds {origin}, which {DISTRIBUTION} {dist.version} did not install"
-        )
+        mismatch = _mismatch(dist, origin)
+        if mismatch is None:
+            return
+        problem = f"'import agentkv' finds {origin}, {mismatch}"
+    others = importlib.metadata.distributions(name="agentkv")
+    found = list(dict.fromkeys(f"{d.metadata['Name']} {d.version}" for d in others))
     if found:
         problem += f", and {', '.join(found)} is installed"
     uninstall = "agentkv vllm-agentkv" if dist is not None else "agentkv"
@@ -57,23 +56,28 @@ def require_vllm_agentkv(adapter: str) -> None:
     )
 
 
-def _installed_by(dist: importlib.metadata.Distribution, origin: Path) -> bool:
+def _mismatch(dist: importlib.metadata.Distribution, origin: Path) -> str | None:
+    """None when ``origin`` is the ``agentkv/__init__.py`` that ``dist`` installed, else why not."""
     for file in dist.files or ():
         if file.as_posix() != "agentkv/__init__.py":
             continue
         if Path(str(dist.locate_file(file))).resolve() != origin:
             continue
         if file.hash is None or file.hash.mode != "sha256":
-            return True
+            return None
         digest = hashlib.sha256(origin.read_bytes()).digest()
-        return base64.urlsafe_b64encode(digest).rstrip(b"=").decode() == file.hash.value
+        if base64.urlsafe_b64encode(digest).rstrip(b"=").decode() == file.hash.value:
+            return None
+        return f"overwritten since {DISTRIBUTION} {dist.version} installed it"
     direct = dist.read_text("direct_url.json")
     if direct:
         info = json.loads(direct)
         url = urlparse(str(info.get("url", "")))
         if info.get("dir_info", {}).get("editable") and url.scheme == "file":
-            return origin.is_relative_to(Path(unquote(url.path)).resolve())
-    return False
+            root = Path(unquote(url.path)).resolve()
+            if origin.is_relative_to(root):
+                return None
+    return f"not the files of {DISTRIBUTION} {dist.version}"
 
 
 def _source_tree(origin: Path) -> bool:
