@@ -575,18 +575,23 @@ def client_factories(
     async_client: agentkv.AsyncClient | None = None,
     timeout: float | None = None,
     retries: int = 2,
+    lease_s: float | None = None,
 ) -> tuple[Callable[[], agentkv.Client], Callable[[], agentkv.AsyncClient], tuple[bool, bool]]:
     """Factories for the sync and async agentkv clients, and whether the pool owns each.
 
     An application's own client is used as it is; the missing twin is made with the same base
     URL, API key and retries (and the async twin of a local renderer). Without clients, the
     connection settings are used: ``base_url`` (else ``$AGENTKV_BASE_URL``, else
-    ``http://127.0.0.1:8000/v1``) and ``api_key`` (else ``$AGENTKV_API_KEY``)."""
+    ``http://127.0.0.1:8000/v1``) and ``api_key`` (else ``$AGENTKV_API_KEY``). ``lease_s``:
+    the clients the pool makes hold a retention lease on every open conversation (see
+    docs/sdk.md, "Leases"); an application's own client keeps its own setting."""
     import os
 
     url = base_url or os.environ.get("AGENTKV_BASE_URL") or DEFAULT_BASE_URL
     key = api_key or os.environ.get("AGENTKV_API_KEY") or "agentkv"
     options: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
+    if lease_s is not None:
+        options["lease_s"] = lease_s
 
     def make_client() -> agentkv.Client:
         if client is not None:

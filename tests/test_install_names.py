@@ -27,7 +27,7 @@ FIRST_LINES = [
     'pip install -e ".[dev]" && python -m pytest',
 ]
 # Not ours to edit here (the router's owners): its redis hint still says "agentkv[redis]".
-PENDING = {"agentkv/router/store.py"}
+PENDING: set[str] = set()
 
 _INSTALL = re.compile(r"\b(?:pip3?|uv pip|pipx|python -m pip) install\b|\buv add\b|\bpoetry add\b")
 _BARE_REQUIREMENT = re.compile(r"^agentkv\s*(?:$|\[|[<>=!~]=?|@|;)")

@@ -321,3 +321,22 @@ def test_two_models_on_one_thread_both_pull(
     assert decisions[0] == "miss" and decisions[1] in ("miss", "stale"), decisions
     assert decisions[2:] == ["pull"] * 4, decisions
     assert pd.wrong_kv() == 0
+
+
+def test_lease_s_holds_the_threads_kv_while_the_model_lives(pd: Stack) -> None:
+    import time
+
+    model = ChatAgentKV(
+        model=MODEL, base_url=f"{pd.router.url}/v1", api_key="k", max_tokens=30, lease_s=1.0
+    )
+    held = pd.retained(pd.decode[0])
+    try:
+        model.invoke([HumanMessage("hello")], conversation_id="lc-lease")
+        time.sleep(2.5)  # longer than the lease: the model's client renews it
+        assert pd.retained(pd.decode[0]) == held + 1
+    finally:
+        model.close()  # renewals stop: the lease lapses and D's blocks are released
+    deadline = time.monotonic() + 5
+    while pd.retained(pd.decode[0]) > held and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert pd.retained(pd.decode[0]) == held

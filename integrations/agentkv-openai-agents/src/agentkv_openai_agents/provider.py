@@ -70,6 +70,8 @@ class AgentKVModelProvider(ModelProvider):
             ``$AGENTKV_API_KEY``); or pass ``client`` / ``async_client``.
         on_turn: called with the agentkv conversation and its receipt after every turn.
         store: keep each conversation's ledger in a :class:`StateStore` too.
+        lease_s: hold each session's KV while this process lives (a retention lease renewed in
+            the background; see agentkv's docs/sdk.md, "Leases").
     """
 
     def __init__(
@@ -88,6 +90,7 @@ class AgentKVModelProvider(ModelProvider):
         max_sessions: int = 1024,
         max_lanes: int = 4,
         on_turn: TurnCallback | None = None,
+        lease_s: float | None = None,
     ) -> None:
         self.default_model = model
         self._factories = client_factories(
@@ -97,6 +100,7 @@ class AgentKVModelProvider(ModelProvider):
             async_client=async_client,
             timeout=timeout,
             retries=retries,
+            lease_s=lease_s,
         )
         self._settings: dict[str, Any] = {
             "mode": mode,

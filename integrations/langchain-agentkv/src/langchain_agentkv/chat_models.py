@@ -93,6 +93,9 @@ class ChatAgentKV(BaseChatModel):
     store: StateStore | None = Field(default=None, exclude=True)
     max_threads: int = 1024
     max_lanes: int = 4
+    lease_s: float | None = None
+    """Hold each thread's KV while this process lives: a retention lease renewed in the
+    background (``agentkv.Client(lease_s=...)``), released soon after the process is gone."""
     on_turn: TurnCallback | None = Field(default=None, exclude=True)
 
     _pool: ConversationPool = PrivateAttr()
@@ -107,6 +110,7 @@ class ChatAgentKV(BaseChatModel):
             async_client=self.async_client,
             timeout=self.timeout,
             retries=self.retries,
+            lease_s=self.lease_s,
         )
         self._pool = ConversationPool(
             model=self.model,

@@ -101,6 +101,11 @@ class AgentKV(FunctionCallingLLM):
     api_key: SecretStr | None = Field(default=None)
     timeout: float | None = Field(default=None)
     retries: int = Field(default=2)
+    lease_s: float | None = Field(
+        default=None,
+        description="Hold each session's KV while this process lives: a retention lease "
+        "renewed in the background (agentkv.Client(lease_s=...)).",
+    )
     mode: Literal["exact", "messages"] = Field(default="exact")
     chat_template_kwargs: dict[str, Any] | None = Field(default=None)
     temperature: float | None = Field(default=None)
@@ -133,6 +138,7 @@ class AgentKV(FunctionCallingLLM):
             async_client=async_client,
             timeout=self.timeout,
             retries=self.retries,
+            lease_s=self.lease_s,
         )
         self._pool = ConversationPool(
             model=self.model,
