@@ -210,6 +210,10 @@ def serve(
         typer.Argument(help="Built-in profile name or TOML file [default: local without a GPU]."),
     ] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would run.")] = False,
+    startup_timeout: Annotated[
+        float,
+        typer.Option("--startup-timeout", help="Seconds each process may take to get healthy."),
+    ] = 120.0,
 ) -> None:
     """Start a P/D deployment (engines + router) from a profile and supervise it."""
     from rich.console import Console
@@ -233,7 +237,7 @@ def serve(
         for problem in problems:
             typer.echo(f"agentkv serve: {problem}", err=True)
         raise typer.Exit(2)
-    supervisor = Supervisor(deployment, console=console)
+    supervisor = Supervisor(deployment, console=console, startup_timeout_s=startup_timeout)
     with supervisor.signals():
         try:
             supervisor.start()
