@@ -34,6 +34,7 @@ from urllib.parse import urlsplit
 import httpx
 import orjson
 from opentelemetry import trace
+from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from agentkv.protocol import (
@@ -50,6 +51,7 @@ from agentkv.protocol import (
 from agentkv.router.config import RouterConfig
 from agentkv.router.guard import GuardedStore
 from agentkv.router.leases import Leases, MemoryLeases
+from agentkv.router.logs import safe
 from agentkv.router.metrics import RouterMetrics
 from agentkv.router.relay import Relay, StreamOutcome
 from agentkv.router.request import ClientRequest, RouterError
@@ -278,7 +280,7 @@ class Router:
             if r.status_code < 500:
                 raise UpstreamError(r.status_code, r.content)
             last = RuntimeError(f"/tokenize answered {r.status_code}")
-        log.warning("could not tokenize a prompt: %r", last)
+        log.warning("could not tokenize a prompt: %s", safe(repr(last)))
         raise RouterError(503, "Could not tokenize the prompt: no prefill instance answered.")
 
     # -- 3. prefill --------------------------------------------------------------------------
@@ -365,8 +367,8 @@ class Router:
                 self.metrics.upstream_errors.labels("prefill", "timeout").inc()
                 if reads:
                     log.warning(
-                        "prefill read passed its deadline conv=%r: retrying without the handle",
-                        req.conversation_id,
+                        "prefill read passed its deadline conv=%s: retrying without the handle",
+                        safe(req.conversation_id),
                     )
                     self.metrics.retries.labels("deadline").inc()
                 else:
@@ -527,10 +529,10 @@ class Router:
             }
         )
         log.info(
-            "turn conversation=%r tenant=%r epoch=%d decision=%s reused=%d verified=%d local=%s "
+            "turn conversation=%s tenant=%s epoch=%d decision=%s reused=%d verified=%d local=%s "
             "prompt_tokens=%d prefill=%s decode=%s ms=%.1f",
-            req.conversation_id,
-            req.tenant,
+            safe(req.conversation_id),
+            safe(req.tenant),
             req.epoch,
             r.decision,
             r.reused,
@@ -540,6 +542,16 @@ class Router:
             pre.engine.url,
             engine.url,
             (time.perf_counter() - started) * 1000,
+            extra={
+                "conversation_id": safe(req.conversation_id or ""),
+                "tenant": safe(req.tenant),
+                "epoch": req.epoch,
+                "decision": r.decision,
+                "reused": r.reused,
+                "verified": r.verified,
+                "local": r.local,
+                "prompt_tokens": len(ids),
+            },
         )
 
     # -- 4. decode ----------------------------------------------------------------------------
@@ -634,7 +646,7 @@ class Router:
                 self.metrics.abandoned.labels("drained" if outcome.drained else "aborted").inc()
             elif not outcome.done:
                 log.warning(
-                    "decode stream ended without [DONE] conversation=%r", req.conversation_id
+                    "decode stream ended without [DONE] conversation=%s", safe(req.conversation_id)
                 )
 
         stream = self.relay.stream(
@@ -652,9 +664,14 @@ class Router:
         engine: Engine,
     ) -> None:
         handle = captured.handle
-        if not handle or not handle.get("remote_block_ids"):
+        try:
+            parsed = KVTransferParams.from_wire(handle) if handle else None
+        except ValidationError:
+            log.warning("decode %s returned a handle of an unknown shape: not kept", engine.url)
             return
-        num = int(handle.get("remote_num_tokens") or 0)
+        if handle is None or parsed is None or not parsed.remote_block_ids:
+            return
+        num = parsed.remote_num_tokens or 0
         bs = self.config.block_size
         root = hash_root(req.body.get("model"), req.cache_salt)
         hashes, tail = held_record([*ids, *captured.output_ids], num, bs, root)
