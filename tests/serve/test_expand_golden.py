@@ -71,6 +71,8 @@ VLLM_FLAGS = {
     "--max-num-seqs": 'vllm/engine/arg_utils.py: add_argument("--max-num-seqs", ...)',
     "--reasoning-parser": "vllm/engine/arg_utils.py: structured_outputs_group.add_argument("
     '"--reasoning-parser", ...); names registered in vllm/reasoning/__init__.py',
+    "--trust-request-chat-template": "vllm/entrypoints/common/cli_args.py: "
+    "BaseFrontendArgs.trust_request_chat_template: bool = False",
     "--enable-auto-tool-choice": "vllm/entrypoints/common/cli_args.py: "
     "BaseFrontendArgs.enable_auto_tool_choice: bool = False",
     "--tool-call-parser": "vllm/entrypoints/common/cli_args.py: BaseFrontendArgs."
@@ -473,6 +475,13 @@ def test_cpu_tiny_is_the_measured_cpu_setup(monkeypatch):
         assert "CUDA_VISIBLE_DEVICES" not in spec.env
     assert prefill.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
     assert decode.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5601"
-    # vLLM 0.32 sends no handle on streams: the router must read D without streaming.
-    assert all(not d["handle_on_stream"] for d in deployment.router_config["decode"])
+    # vLLM 0.33: D's handle is on the streamed finish chunk, so the router relays streams.
+    assert all(d["handle_on_stream"] for d in deployment.router_config["decode"])
+    # P caches its prompts and sends them as KV events to the router, on loopback
+    assert "--enable-prefix-caching" in prefill.argv
+    events = json.loads(prefill.argv[prefill.argv.index("--kv-events-config") + 1])
+    assert events["enable_kv_cache_events"] and events["publisher"] == "zmq"
+    assert events["endpoint"] == "tcp://127.0.0.1:5610"
+    assert "--trust-request-chat-template" in prefill.argv
+    assert "--kv-events-config" not in decode.argv
     assert RouterConfig.model_validate(deployment.router_config).router_ttl_s == 20

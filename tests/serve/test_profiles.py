@@ -92,7 +92,7 @@ def test_cpu_tiny_model_comes_from_the_environment():
     p = load_profile("cpu-tiny", environ=env)
     assert p.model == "/m/tiny" and p.vllm_command == ["/venv/bin/vllm", "serve"]
     assert unresolved_placeholders(p) == []
-    assert (p.engine, p.device, p.compat, p.served_model_name) == ("vllm", "cpu", "0.32", "tiny")
+    assert (p.engine, p.device, p.compat, p.served_model_name) == ("vllm", "cpu", "0.33", "tiny")
     assert (p.block_size, p.dtype, p.max_model_len) == (32, "float32", 4096)
     assert p.decoder_kv_blocks_ttl_s == 30 and p.router_ttl_s == 20
     assert p.gpus_needed == 0
