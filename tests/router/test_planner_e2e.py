@@ -277,3 +277,38 @@ def _restart(binary: str, workdir: Path, port: int) -> subprocess.Popen[bytes]:
     while time.monotonic() < deadline and not _ping(port):
         time.sleep(0.05)
     return process
+
+
+def test_one_tenants_conversations_never_evict_another_tenants_handle(tmp_path):
+    tenants = [
+        {"name": "quiet", "api_keys": ["key-quiet"]},
+        {"name": "noisy", "api_keys": ["key-noisy"]},
+    ]
+    router = {"tenants": tenants, "store_max_entries_per_tenant": 5}
+    with stack(tmp_path, p_args=NO_P_CACHE, router=router) as s:
+        ids = ids_of(s, LONG)
+
+        def turn(key: str, conv: str, prompt: list[int]) -> httpx.Response:
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "x"}],
+                "max_tokens": 10,
+                "kv_transfer_params": {"prompt_token_ids": prompt},
+                "return_token_ids": True,
+            }
+            return httpx.post(
+                f"{s.router.url}/v1/chat/completions",
+                json=body,
+                headers={"X-Conversation-Id": conv, "Authorization": f"Bearer {key}"},
+                timeout=60,
+            )
+
+        first = turn("key-quiet", "mine", ids)
+        assert first.status_code == 200
+        for i in range(25):
+            assert turn("key-noisy", f"theirs-{i}", ids).status_code == 200
+        again = turn("key-quiet", "mine", held_after(first, ids))
+        assert again.headers["x-agentkv-decision"] == "pull"
+        # and the noisy tenant's own bound held: only its 5 newest conversations still pull
+        late = turn("key-noisy", "theirs-0", ids)
+        assert late.headers["x-agentkv-decision"] == "miss"
