@@ -340,3 +340,215 @@ def test_lease_s_holds_the_threads_kv_while_the_model_lives(pd: Stack) -> None:
     while pd.retained(pd.decode[0]) > held and time.monotonic() < deadline:
         time.sleep(0.1)
     assert pd.retained(pd.decode[0]) == held
+
+
+# -- issue 14 §2, framework fidelity ----------------------------------------------------------
+def _one_node_graph(model: ChatAgentKV) -> Any:
+    def agent(state: MessagesState) -> dict[str, list[AnyMessage]]:
+        return {"messages": [model.invoke([SystemMessage(SYSTEM), *state["messages"]])]}
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("agent", agent)
+    graph.add_edge(START, "agent")
+    return graph.compile(checkpointer=InMemorySaver())
+
+
+def test_fidelity_streamed_usage_on_the_last_chunk(
+    pd: Stack, sdk_clients: Any, scripts: Scripts, recorder: Recorder
+) -> None:
+    from langchain_core.messages import AIMessageChunk
+
+    model = model_for(sdk_clients, recorder)
+    history: list[AnyMessage] = [SystemMessage(SYSTEM), HumanMessage("Hi?")]
+    # stream(): only the last chunk carries usage_metadata (default on, as agentkv has it)
+    scripts.extend([answer("Hello there. " * 3)])
+    chunks = list(model.stream(history, conversation_id="lc-usage"))
+    last = chunks[-1]
+    assert isinstance(last, AIMessageChunk) and last.chunk_position == "last"
+    assert last.usage_metadata is not None
+    assert last.usage_metadata["input_tokens"] > 0 and last.usage_metadata["output_tokens"] > 0
+    assert all(c.usage_metadata is None for c in chunks[:-1])
+    total = chunks[0]
+    for chunk in chunks[1:]:
+        total += chunk
+    assert total.usage_metadata == last.usage_metadata
+    assert last.response_metadata["agentkv"]["prompt_tokens"] == last.usage_metadata["input_tokens"]
+    history += [AIMessage(total.text), HumanMessage("Again?")]
+
+    # astream() with stream_usage=True: the second turn's usage has the cached tokens
+    async def second() -> AIMessageChunk:
+        out = [
+            c async for c in model.astream(history, conversation_id="lc-usage", stream_usage=True)
+        ]
+        assert all(c.usage_metadata is None for c in out[:-1])
+        return out[-1]
+
+    scripts.extend([answer("Again. " * 3)])
+    last = asyncio.run(second())
+    assert last.usage_metadata is not None
+    assert last.usage_metadata["input_token_details"]["cache_read"] > 0
+    assert recorder.of("lc-usage")[-1].receipt.decision == "pull"
+
+    # stream_usage=False (call, or the field) leaves it off; the call wins over the field
+    scripts.extend([answer("No usage."), answer("Usage again.")])
+    off = list(model.stream("Plain?", conversation_id="lc-usage-off", stream_usage=False))
+    assert all(c.usage_metadata is None for c in off)
+    quiet = model_for(sdk_clients, recorder, stream_usage=False)
+    on = list(quiet.stream("Plain?", conversation_id="lc-usage-on", stream_usage=True))
+    assert on[-1].usage_metadata is not None
+    scripts.extend([answer("Options.")])
+    opts = list(quiet.stream("Opt?", stream_options={"include_usage": True}))
+    assert opts[-1].usage_metadata is not None
+
+    # LangGraph stream_mode="messages": the model's last chunk carries it
+    app = _one_node_graph(model)
+    config: Any = {"configurable": {"thread_id": "lc-usage-graph"}}
+    scripts.extend([answer("Graph answer. " * 3)])
+    streamed = [
+        m
+        for m, _meta in app.stream(
+            {"messages": [HumanMessage("Q?")]}, config, stream_mode="messages"
+        )
+    ]
+    ai = [m for m in streamed if isinstance(m, AIMessageChunk)]
+    assert ai and ai[-1].usage_metadata is not None
+    assert ai[-1].usage_metadata["input_tokens"] > 0
+    assert ai[-1].response_metadata["agentkv"]["conversation_id"] == "lc-usage-graph"
+
+    # astream_events: the last on_chat_model_stream chunk, and on_chat_model_end's output
+    async def events() -> list[dict[str, Any]]:
+        return [e async for e in model.astream_events("Events?", version="v2")]
+
+    scripts.extend([answer("Evented. " * 3)])
+    seen = asyncio.run(events())
+    stream_chunks = [e["data"]["chunk"] for e in seen if e["event"] == "on_chat_model_stream"]
+    assert stream_chunks[-1].usage_metadata is not None
+    end = next(e for e in seen if e["event"] == "on_chat_model_end")
+    assert end["data"]["output"].usage_metadata["output_tokens"] > 0
+
+    # the non-streamed path still has it
+    scripts.extend([answer("Invoked.")])
+    assert model.invoke("Invoke?").usage_metadata is not None
+    assert pd.wrong_kv() == 0
+
+
+def test_fidelity_invoke_config_thread_id_is_the_conversation(
+    pd: Stack, sdk_clients: Any, scripts: Scripts, recorder: Recorder
+) -> None:
+    model = model_for(sdk_clients, recorder)
+    config: Any = {"configurable": {"thread_id": "lc-config-thread"}}
+    history: list[AnyMessage] = [SystemMessage(SYSTEM), HumanMessage("One?")]
+    scripts.extend([answer("First. " * 4), answer("Second. " * 4), answer("Third."), answer("4")])
+    first = model.invoke(history, config=config)
+    assert first.response_metadata["agentkv"]["conversation_id"] == "lc-config-thread"
+    history += [first, HumanMessage("Two?")]
+    chunks = list(model.stream(history, config=config))
+    total = chunks[0]
+    for chunk in chunks[1:]:
+        total += chunk
+    assert total.response_metadata["agentkv"]["conversation_id"] == "lc-config-thread"
+    assert total.response_metadata["agentkv"]["sync"] == "append"
+    history += [AIMessage(total.text), HumanMessage("Three?")]
+    third = asyncio.run(model.ainvoke(history, config=config))
+    assert third.response_metadata["agentkv"]["conversation_id"] == "lc-config-thread"
+    # batch() runs each input with its own config
+    other: Any = {"configurable": {"thread_id": "lc-config-other"}}
+    (fourth,) = model.batch([[HumanMessage("Four?")]], config=[other])
+    assert fourth.response_metadata["agentkv"]["conversation_id"] == "lc-config-other"
+    sent = [r["headers"]["x-conversation-id"] for r in scripts.requests]
+    assert sent == ["lc-config-thread"] * 3 + ["lc-config-other"]
+    assert len(recorder.of("lc-config-thread")) == 3
+    recorder.assert_exact("lc-config-thread")
+    assert pd.wrong_kv() == 0
+
+
+def test_fidelity_structured_output_json_schema_and_json_mode_send_response_format(
+    sdk_clients: Any, scripts: Scripts, recorder: Recorder
+) -> None:
+    model = model_for(sdk_clients, recorder)
+    # json_schema: the schema goes as response_format (the engine decodes to it), no tools
+    scripts.extend([answer('{"city": "Lima", "temperature_c": 19}')])
+    structured = model.with_structured_output(Weather, method="json_schema", strict=True)
+    assert structured.invoke("Weather in Lima?", conversation_id="lc-js") == Weather(
+        city="Lima", temperature_c=19
+    )
+    body = scripts.requests[-1]["body"]
+    assert body["response_format"]["type"] == "json_schema"
+    schema = body["response_format"]["json_schema"]
+    assert schema["name"] == "Weather" and schema["strict"] is True
+    assert set(schema["schema"]["properties"]) == {"city", "temperature_c"}
+    assert "tools" not in body and "tool_choice" not in body
+
+    # json_mode: response_format json_object; a dict schema parses to a dict; include_raw
+    scripts.extend([answer('{"city": "Oslo", "temperature_c": 3}')])
+    raw = model.with_structured_output(Weather, method="json_mode", include_raw=True).invoke(
+        "Weather in Oslo as JSON?", conversation_id="lc-jm"
+    )
+    assert scripts.requests[-1]["body"]["response_format"] == {"type": "json_object"}
+    assert raw["parsed"] == Weather(city="Oslo", temperature_c=3)
+    assert raw["parsing_error"] is None and isinstance(raw["raw"], AIMessage)
+    dict_schema = {
+        "title": "Place",
+        "description": "A place.",
+        "type": "object",
+        "properties": {"name": {"type": "string"}},
+        "required": ["name"],
+    }
+    scripts.extend([answer('{"name": "Bern"}')])
+    assert model.with_structured_output(dict_schema, method="json_schema").invoke("Place?") == {
+        "name": "Bern"
+    }
+    assert scripts.requests[-1]["body"]["response_format"]["json_schema"]["name"] == "Place"
+    # function_calling (the default) still forces a tool call
+    scripts.extend([tool_call("Weather", city="Rome", temperature_c=25)])
+    assert model.with_structured_output(Weather).invoke("Rome?") == Weather(
+        city="Rome", temperature_c=25
+    )
+    assert "response_format" not in scripts.requests[-1]["body"]
+
+
+def test_fidelity_on_llm_end_carries_token_usage(
+    sdk_clients: Any, scripts: Scripts, recorder: Recorder
+) -> None:
+    from langchain_core.callbacks import BaseCallbackHandler, get_usage_metadata_callback
+    from langchain_core.outputs import LLMResult
+
+    class Ends(BaseCallbackHandler):
+        def __init__(self) -> None:
+            self.results: list[LLMResult] = []
+
+        def on_llm_end(self, response: LLMResult, **kwargs: Any) -> None:
+            self.results.append(response)
+
+    ends = Ends()
+    model = model_for(sdk_clients, recorder)
+    history: list[AnyMessage] = [SystemMessage(SYSTEM), HumanMessage("Hi?")]
+    scripts.extend([answer("Hello. " * 4), answer("Again. " * 4)])
+    first = model.invoke(history, conversation_id="lc-end", config={"callbacks": [ends]})
+    second = model.invoke(
+        [*history, first, HumanMessage("More?")],
+        conversation_id="lc-end",
+        config={"callbacks": [ends]},
+    )
+    usages = [r.llm_output["token_usage"] for r in ends.results if r.llm_output]
+    assert len(usages) == 2
+    receipts = [first.response_metadata["agentkv"], second.response_metadata["agentkv"]]
+    for usage, receipt in zip(usages, receipts, strict=True):
+        assert usage["prompt_tokens"] == receipt["prompt_tokens"] > 0
+        assert usage["completion_tokens"] == receipt["completion_tokens"] > 0
+    assert usages[1]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert ends.results[0].llm_output["model_name"] == MODEL
+    # generate(): the calls' usage summed
+    scripts.extend([answer("A."), answer("B.")])
+    both = model.generate([[HumanMessage("a?")], [HumanMessage("b?")]])
+    assert both.llm_output is not None
+    summed = both.llm_output["token_usage"]
+    parts = [g[0].message.usage_metadata for g in both.generations]  # type: ignore[attr-defined]
+    assert summed["prompt_tokens"] == sum(p["input_tokens"] for p in parts)
+    # streamed: on_llm_end's generation carries usage_metadata (what usage callbacks read)
+    scripts.extend([answer("Streamed. " * 3)])
+    with get_usage_metadata_callback() as counted:
+        list(model.stream("Stream?", config={"callbacks": [ends]}))
+    streamed_end = ends.results[-1].generations[0][0]
+    assert streamed_end.message.usage_metadata is not None  # type: ignore[attr-defined]
+    assert counted.usage_metadata[MODEL]["input_tokens"] > 0

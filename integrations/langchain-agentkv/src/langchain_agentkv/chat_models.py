@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from operator import itemgetter
 from typing import Any, Literal, cast
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
@@ -20,13 +21,15 @@ from langchain_core.messages import (
 )
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
+from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from langchain_core.runnables import Runnable
+from langchain_core.runnables import Runnable, RunnableConfig, RunnableMap, RunnablePassthrough
 from langchain_core.runnables.config import ensure_config
 from langchain_core.tools import BaseTool
-from langchain_core.utils.function_calling import convert_to_openai_tool
+from langchain_core.utils.function_calling import convert_to_openai_function, convert_to_openai_tool
+from langchain_core.utils.pydantic import is_basemodel_subclass
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
-from pydantic import ConfigDict, Field, PrivateAttr, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr
 
 import agentkv
 from agentkv.pool import (
@@ -42,6 +45,7 @@ __all__ = ["ChatAgentKV"]
 
 _SAMPLING = ("temperature", "max_tokens", "top_p", "seed", "frequency_penalty", "presence_penalty")
 _LANGCHAIN_ONLY = ("ls_structured_output_format", "stream_usage")
+_StructuredMethod = Literal["function_calling", "json_mode", "json_schema"]
 
 
 class ChatAgentKV(BaseChatModel):
@@ -52,9 +56,12 @@ class ChatAgentKV(BaseChatModel):
     previous prompt + the generated tokens), a trimmed or summarized history is a rewrite (the
     epoch moves on, so the router never reads stale KV for it).
 
-    The thread is, in this order: the ``conversation_id`` call argument, LangGraph's
-    ``config["configurable"]["thread_id"]``, the ``conversation_id`` field, else one id per model
-    instance.
+    The thread is, in this order: the ``conversation_id`` call argument, the
+    ``config["configurable"]["thread_id"]`` of the call or of the graph it runs in (LangGraph's
+    thread), the ``conversation_id`` field, else one id per model instance.
+
+    Streams end with a chunk that carries ``usage_metadata`` (``stream_usage``, default on:
+    agentkv always reports usage) and ``response_metadata["agentkv"]`` (the receipt).
 
     Args:
         model: the served model name.
@@ -89,6 +96,9 @@ class ChatAgentKV(BaseChatModel):
     extra_body: dict[str, Any] | None = None
     model_kwargs: dict[str, Any] = Field(default_factory=dict)
     streaming: bool = False
+    stream_usage: bool | None = None
+    """Whether streams end with ``usage_metadata`` (as ``ChatOpenAI(stream_usage=...)``; the
+    call's ``stream_usage=`` or ``stream_options={"include_usage": ...}`` wins). None: yes."""
     conversation_id: str | None = None
     store: StateStore | None = Field(default=None, exclude=True)
     max_threads: int = 1024
@@ -125,6 +135,51 @@ class ChatAgentKV(BaseChatModel):
             owns_clients=owns,
         )
 
+    # -- a call's own config: its thread ------------------------------------------------------
+    def invoke(
+        self,
+        input: LanguageModelInput,
+        config: RunnableConfig | None = None,
+        *,
+        stop: list[str] | None = None,
+        **kwargs: Any,
+    ) -> AIMessage:
+        return super().invoke(input, _thread_config(config), stop=stop, **kwargs)
+
+    async def ainvoke(
+        self,
+        input: LanguageModelInput,
+        config: RunnableConfig | None = None,
+        *,
+        stop: list[str] | None = None,
+        **kwargs: Any,
+    ) -> AIMessage:
+        return await super().ainvoke(input, _thread_config(config), stop=stop, **kwargs)
+
+    def stream(
+        self,
+        input: LanguageModelInput,
+        config: RunnableConfig | None = None,
+        *,
+        stop: list[str] | None = None,
+        **kwargs: Any,
+    ) -> Iterator[AIMessageChunk]:
+        # stream() runs _stream without a run manager: the thread goes as the call's argument
+        _thread_kwarg(config, kwargs)
+        yield from super().stream(input, _thread_config(config), stop=stop, **kwargs)
+
+    async def astream(
+        self,
+        input: LanguageModelInput,
+        config: RunnableConfig | None = None,
+        *,
+        stop: list[str] | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[AIMessageChunk]:
+        _thread_kwarg(config, kwargs)
+        async for chunk in super().astream(input, _thread_config(config), stop=stop, **kwargs):
+            yield chunk
+
     # -- LangChain's required surface ----------------------------------------------------------
     @property
     def _llm_type(self) -> str:
@@ -133,6 +188,15 @@ class ChatAgentKV(BaseChatModel):
     @property
     def _identifying_params(self) -> dict[str, Any]:
         return {"model": self.model, "mode": self.mode, **self._sampling({})}
+
+    def _combine_llm_outputs(self, llm_outputs: list[dict[str, Any] | None], /) -> dict[str, Any]:
+        """``generate()``'s ``llm_output``: the token usage of its calls summed, as ChatOpenAI."""
+        total: dict[str, Any] = {}
+        for output in llm_outputs:
+            for name, value in ((output or {}).get("token_usage") or {}).items():
+                if value is not None:
+                    total[name] = _add_usage(total.get(name), value)
+        return {"token_usage": total, "model_name": self.model}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> Any:
         params = super()._get_ls_params(stop=stop, **kwargs)
@@ -202,15 +266,21 @@ class ChatAgentKV(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
+        want_usage = self._want_usage(kwargs)
         key, wire, tools, params = self._request(messages, stop, run_manager, kwargs)
         turn, chunks = self._pool.stream(key, wire, tools, **params)
+        usage, name = None, None
         for raw in chunks:
+            usage, name = raw.usage or usage, raw.model or name
             chunk = _chunk(raw)
             if chunk is not None:
                 if run_manager is not None:
                     run_manager.on_llm_new_token(chunk.text, chunk=chunk)
                 yield chunk
-        yield self._last_chunk(turn)
+        last = self._last_chunk(turn, usage if want_usage else None, name)
+        if run_manager is not None:
+            run_manager.on_llm_new_token("", chunk=last)
+        yield last
 
     async def _astream(
         self,
@@ -219,15 +289,21 @@ class ChatAgentKV(BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
+        want_usage = self._want_usage(kwargs)
         key, wire, tools, params = self._request(messages, stop, run_manager, kwargs)
         turn, chunks = await self._pool.astream(key, wire, tools, **params)
+        usage, name = None, None
         async for raw in chunks:
+            usage, name = raw.usage or usage, raw.model or name
             chunk = _chunk(raw)
             if chunk is not None:
                 if run_manager is not None:
                     await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
                 yield chunk
-        yield self._last_chunk(turn)
+        last = self._last_chunk(turn, usage if want_usage else None, name)
+        if run_manager is not None:
+            await run_manager.on_llm_new_token("", chunk=last)
+        yield last
 
     # -- tools and structured output -------------------------------------------------------------
     def bind_tools(
@@ -250,6 +326,62 @@ class ChatAgentKV(BaseChatModel):
             kwargs["parallel_tool_calls"] = parallel_tool_calls
         return super().bind(tools=formatted, **kwargs)
 
+    def with_structured_output(
+        self,
+        schema: dict[str, Any] | type | None = None,
+        *,
+        method: _StructuredMethod = "function_calling",
+        include_raw: bool = False,
+        strict: bool | None = None,
+        tools: Sequence[dict[str, Any] | type | Callable[..., Any] | BaseTool] | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, dict[str, Any] | BaseModel]:
+        """Answers parsed into ``schema``, as ``ChatOpenAI.with_structured_output``.
+
+        ``method``: ``"function_calling"`` (the default: a forced tool call), ``"json_schema"``
+        (``response_format={"type": "json_schema", ...}``: vLLM decodes to the schema) or
+        ``"json_mode"`` (``response_format={"type": "json_object"}``; the prompt must ask for
+        the JSON). ``tools`` go with ``json_schema`` (the model may call them instead)."""
+        if method == "function_calling":
+            if schema is None:
+                raise ValueError("schema must be given unless method='json_mode'")
+            if strict is not None:
+                kwargs["strict"] = strict
+            return super().with_structured_output(schema, include_raw=include_raw, **kwargs)
+        if kwargs:
+            raise ValueError(f"Received unsupported arguments {kwargs}")
+        pydantic_schema = isinstance(schema, type) and is_basemodel_subclass(schema)
+        if method == "json_schema":
+            if schema is None:
+                raise ValueError("schema must be given unless method='json_mode'")
+            bound: dict[str, Any] = {"response_format": _response_format(schema, strict)}
+            if tools:
+                bound["tools"] = [convert_to_openai_tool(t, strict=strict) for t in tools]
+            output_format: Any = convert_to_openai_tool(schema)
+        elif method == "json_mode":
+            bound, output_format = {"response_format": {"type": "json_object"}}, schema
+        else:
+            raise ValueError(f"Unknown method {method!r}: function_calling, json_schema, json_mode")
+        bound["ls_structured_output_format"] = {
+            "kwargs": {"method": method, "strict": strict},
+            "schema": output_format,
+        }
+        llm = self.bind(**bound)
+        parser: Runnable[Any, Any] = (
+            PydanticOutputParser(pydantic_object=cast(type[BaseModel], schema))
+            if pydantic_schema
+            else JsonOutputParser()
+        )
+        if not include_raw:
+            return llm | parser
+        parsed = RunnablePassthrough.assign(
+            parsed=itemgetter("raw") | parser, parsing_error=lambda _: None
+        )
+        fallback = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=llm) | parsed.with_fallbacks(
+            [fallback], exception_key="parsing_error"
+        )
+
     # -- helpers ---------------------------------------------------------------------------------
     def _request(
         self,
@@ -271,6 +403,23 @@ class ChatAgentKV(BaseChatModel):
             params["extra_body"] = extra_body
         params.update({**self.model_kwargs, **kwargs})
         return key, [to_openai_message(m) for m in messages], tools, params
+
+    def _want_usage(self, kwargs: dict[str, Any]) -> bool:
+        """Whether the stream ends with usage (ChatOpenAI's order: the call's ``stream_usage``,
+        the call's ``stream_options``, ``model_kwargs``' ``stream_options``, the field); the
+        request always asks for the usage chunk (the last chunk carries it)."""
+        sources = [
+            kwargs.pop("stream_usage", None),
+            (kwargs.get("stream_options") or {}).get("include_usage"),
+            (self.model_kwargs.get("stream_options") or {}).get("include_usage"),
+            self.stream_usage,
+        ]
+        kwargs["stream_options"] = {
+            **(self.model_kwargs.get("stream_options") or {}),
+            **(kwargs.get("stream_options") or {}),
+            "include_usage": True,
+        }
+        return next((s for s in sources if isinstance(s, bool)), True)
 
     def _sampling(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         params = {}
@@ -298,18 +447,71 @@ class ChatAgentKV(BaseChatModel):
         return self.conversation_id or self._default_id
 
     def _result(self, turn: Turn) -> ChatResult:
-        assert turn.completion is not None
-        message = _ai_message(turn.completion)
+        completion = turn.completion
+        assert completion is not None
+        message = _ai_message(completion)
         message.response_metadata["agentkv"] = _receipt(turn)
-        return ChatResult(
-            generations=[ChatGeneration(message=message)],
-            llm_output={"model_name": turn.completion.model},
-        )
+        # on_llm_end's llm_output, as ChatOpenAI's: the usage as the server reported it
+        llm_output: dict[str, Any] = {
+            "token_usage": completion.usage.model_dump() if completion.usage else None,
+            "model_provider": "agentkv",
+            "model_name": completion.model,
+            "id": completion.id,
+        }
+        return ChatResult(generations=[ChatGeneration(message=message)], llm_output=llm_output)
 
-    def _last_chunk(self, turn: Turn) -> ChatGenerationChunk:
-        metadata = {"agentkv": _receipt(turn), "model_name": self.model}
-        message = AIMessageChunk(content="", response_metadata=metadata, chunk_position="last")
+    def _last_chunk(self, turn: Turn, usage: Any, model_name: str | None) -> ChatGenerationChunk:
+        # model_name only here: LangChain concatenates strings of merged chunks' metadata
+        metadata = {"agentkv": _receipt(turn), "model_name": model_name or self.model}
+        message = AIMessageChunk(
+            content="",
+            response_metadata=metadata,
+            usage_metadata=_usage(usage),
+            chunk_position="last",
+        )
         return ChatGenerationChunk(message=message)
+
+
+def _thread_config(config: RunnableConfig | None) -> RunnableConfig | None:
+    """A direct call's ``configurable.thread_id`` as the run's ``thread_id`` metadata, which
+    is where LangGraph puts it for the model calls inside a graph."""
+    if not config:
+        return config
+    thread = (config.get("configurable") or {}).get("thread_id")
+    metadata = config.get("metadata") or {}
+    if thread is None or "thread_id" in metadata:
+        return config
+    return cast(RunnableConfig, {**config, "metadata": {**metadata, "thread_id": thread}})
+
+
+def _thread_kwarg(config: RunnableConfig | None, kwargs: dict[str, Any]) -> None:
+    thread = ((config or {}).get("configurable") or {}).get("thread_id")
+    thread = ((config or {}).get("metadata") or {}).get("thread_id") or thread
+    if thread and not kwargs.get("conversation_id"):
+        kwargs["conversation_id"] = str(thread)
+
+
+def _add_usage(total: Any, value: Any) -> Any:
+    if isinstance(value, Mapping):
+        base = total if isinstance(total, Mapping) else {}
+        return {k: _add_usage(base.get(k), v) for k, v in {**base, **value}.items()}
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return (total if isinstance(total, int | float) else 0) + value
+    return value if total is None else total
+
+
+def _response_format(schema: dict[str, Any] | type, strict: bool | None) -> dict[str, Any]:
+    """``response_format`` for ``method="json_schema"`` (as langchain-openai builds it)."""
+    if isinstance(schema, dict) and schema.get("type") == "json_schema" and "json_schema" in schema:
+        return schema
+    if isinstance(schema, dict) and "name" in schema and "schema" in schema:
+        return {"type": "json_schema", "json_schema": schema}
+    if strict is None:
+        given = schema.get("strict") if isinstance(schema, dict) else None
+        strict = given if isinstance(given, bool) else False
+    function = dict(convert_to_openai_function(schema, strict=strict))
+    function["schema"] = function.pop("parameters")
+    return {"type": "json_schema", "json_schema": function}
 
 
 # -- conversions ---------------------------------------------------------------------------------
@@ -451,11 +653,9 @@ def _ai_message(completion: ChatCompletion) -> AIMessage:
 
 
 def _chunk(raw: ChatCompletionChunk) -> ChatGenerationChunk | None:
+    """A delta as a LangChain chunk (None for the usage chunk: the last chunk carries it)."""
     if not raw.choices:
-        usage = _usage(raw.usage)
-        if usage is None:
-            return None
-        return ChatGenerationChunk(message=AIMessageChunk(content="", usage_metadata=usage))
+        return None
     choice = raw.choices[0]
     delta = choice.delta
     additional: dict[str, Any] = {}
@@ -473,13 +673,11 @@ def _chunk(raw: ChatCompletionChunk) -> ChatGenerationChunk | None:
     metadata: dict[str, Any] = {"model_provider": "agentkv"}
     if choice.finish_reason:
         metadata["finish_reason"] = choice.finish_reason
-        metadata["model_name"] = raw.model
     message = AIMessageChunk(
         content=delta.content or "",
         tool_call_chunks=calls,
         additional_kwargs=additional,
         response_metadata=metadata,
-        usage_metadata=_usage(raw.usage),
         id=raw.id,
     )
     return ChatGenerationChunk(message=message)
@@ -502,7 +700,21 @@ def _from_chunks(chunks: Sequence[ChatGenerationChunk]) -> ChatResult:
         usage_metadata=message.usage_metadata,
         id=message.id,
     )
-    return ChatResult(generations=[ChatGeneration(message=final)])
+    usage = message.usage_metadata
+    token_usage = None
+    if usage is not None:
+        token_usage = {
+            "prompt_tokens": usage["input_tokens"],
+            "completion_tokens": usage["output_tokens"],
+            "total_tokens": usage["total_tokens"],
+        }
+        cached = (usage.get("input_token_details") or {}).get("cache_read")
+        if cached is not None:
+            token_usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return ChatResult(
+        generations=[ChatGeneration(message=final)],
+        llm_output={"token_usage": token_usage, "model_provider": "agentkv"},
+    )
 
 
 def _receipt(turn: Turn) -> dict[str, Any]:
