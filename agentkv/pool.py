@@ -46,6 +46,7 @@ __all__ = [
     "TurnCallback",
     "client_factories",
     "fingerprint",
+    "served_models",
 ]
 
 Kind = Literal["new", "same", "append", "rewrite"]
@@ -627,3 +628,11 @@ def client_factories(
         return agentkv.AsyncClient(base_url=url, api_key=key, retries=retries, **options)
 
     return make_client, make_async_client, (client is None, async_client is None)
+
+
+def served_models(client: agentkv.Client, *, timeout: float = 5.0) -> list[dict[str, Any]]:
+    """``GET /v1/models`` of the client's server: vLLM's model cards (``id``,
+    ``max_model_len``, ...), as agentkv's router and simulator serve them too. Raises the
+    ``openai`` error when the server cannot be reached (one try, ``timeout`` seconds)."""
+    page = client.openai.with_options(timeout=timeout, max_retries=0).models.list()
+    return [card.model_dump() for card in page.data]

@@ -172,3 +172,68 @@ def test_react_agent_and_plain_calls(
     assert llm.complete("One word?").text
     recorder.assert_exact("li-plain")
     assert pd.wrong_kv() == 0
+
+
+# -- issue 14 §2, framework fidelity ----------------------------------------------------------
+def test_fidelity_streamed_usage_reaches_token_counting_handler(
+    pd: Stack, sdk_clients: Any, scripts: Scripts, recorder: Recorder
+) -> None:
+    from llama_index.core.callbacks import CallbackManager, TokenCountingHandler
+
+    # a whitespace tokenizer: its counts differ from the server's, so equal counts are usage
+    counter = TokenCountingHandler(tokenizer=str.split)
+    llm = llm_for(sdk_clients, recorder, callback_manager=CallbackManager([counter]))
+    history = [ChatMessage(role="system", content=SYSTEM), ChatMessage(role="user", content="Hi")]
+    scripts.extend([answer("Hello there. " * 4), answer("Again here. " * 4), answer("Done.")])
+    *_, last = llm.stream_chat(history, conversation_id="li-usage")
+    history += [last.message, ChatMessage(role="user", content="Again?")]
+
+    async def second() -> Any:
+        out = None
+        async for response in await llm.astream_chat(history, conversation_id="li-usage"):
+            out = response
+        return out
+
+    final = asyncio.run(second())
+    *_, completed = llm.stream_complete("One word?")
+    turns = recorder.of("li-usage")
+    assert len(turns) == 2 and turns[1].receipt.decision == "pull"
+    events = counter.llm_token_counts
+    assert len(events) == 4  # stream_complete: its completion event and its chat event
+    for event, seen in zip(events[:2], turns, strict=True):
+        assert event.prompt_token_count == seen.receipt.prompt_tokens > 0
+        assert event.completion_token_count == seen.receipt.completion_tokens > 0
+    assert {e.prompt_token_count for e in events[2:]} == {completed.raw.usage.prompt_tokens}
+    assert {e.completion_token_count for e in events[2:]} == {completed.raw.usage.completion_tokens}
+    assert final.additional_kwargs["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert final.raw.usage.prompt_tokens == turns[1].receipt.prompt_tokens
+    # non-streamed chat still counts the server's tokens
+    scripts.extend([answer("Plain.")])
+    plain = llm.chat(history, conversation_id="li-usage-plain")
+    assert counter.llm_token_counts[-1].prompt_token_count == plain.raw.usage.prompt_tokens
+    assert pd.wrong_kv() == 0
+
+
+def test_fidelity_context_window_is_the_served_max_model_len(
+    pd: Stack, base_url: str, sdk_clients: Any, recorder: Recorder
+) -> None:
+    import httpx
+    from llama_index.llms.agentkv.base import FALLBACK_CONTEXT_WINDOW
+
+    served = httpx.get(f"{base_url}/models", headers={"Authorization": "Bearer k"}).json()
+    max_model_len = served["data"][0]["max_model_len"]
+    assert served["data"][0]["id"] == MODEL and max_model_len != FALLBACK_CONTEXT_WINDOW
+    llm = llm_for(sdk_clients, recorder)
+    assert llm.metadata.context_window == max_model_len
+    assert llm.metadata.context_window == max_model_len  # read once, kept
+    # one given wins
+    assert llm_for(sdk_clients, recorder, context_window=4096).metadata.context_window == 4096
+    # an unreachable server: the fallback, with a warning naming the setting
+    from agentkv import AgentKVWarning
+    from agentkv.sim.launch import free_port
+
+    away = AgentKV(model=MODEL, base_url=f"http://127.0.0.1:{free_port()}/v1")
+    with pytest.warns(AgentKVWarning, match="context_window="):
+        assert away.metadata.context_window == FALLBACK_CONTEXT_WINDOW
+    # no second try (and warning) within the next 30 s
+    assert away.metadata.context_window == FALLBACK_CONTEXT_WINDOW

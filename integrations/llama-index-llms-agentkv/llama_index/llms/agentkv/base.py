@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import json
+import time
 import uuid
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -44,12 +46,17 @@ from agentkv.pool import (
     Turn,
     TurnCallback,
     client_factories,
+    served_models,
 )
 
 if TYPE_CHECKING:
     from llama_index.core.tools.types import BaseTool
 
 __all__ = ["AgentKV", "session", "to_openai_message"]
+
+FALLBACK_CONTEXT_WINDOW = 32768
+"""``context_window`` while the server's ``max_model_len`` cannot be read."""
+_RETRY_LOOKUP_S = 30.0
 
 _SESSION: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "llama_index_llms_agentkv_session", default=None
@@ -110,7 +117,11 @@ class AgentKV(FunctionCallingLLM):
     chat_template_kwargs: dict[str, Any] | None = Field(default=None)
     temperature: float | None = Field(default=None)
     max_tokens: int | None = Field(default=None)
-    context_window: int = Field(default=32768)
+    context_window: int | None = Field(
+        default=None,
+        description="The model's context window; None: the server's max_model_len "
+        "(GET /v1/models), else 32768 while the server cannot be reached.",
+    )
     extra_body: dict[str, Any] | None = Field(default=None)
     additional_kwargs: dict[str, Any] = Field(default_factory=dict)
     conversation_id: str | None = Field(default=None)
@@ -119,6 +130,8 @@ class AgentKV(FunctionCallingLLM):
 
     _pool: ConversationPool = PrivateAttr()
     _default_id: str = PrivateAttr(default_factory=lambda: str(uuid.uuid4()))
+    _served_window: int | None = PrivateAttr(default=None)
+    _lookup_failed_at: float | None = PrivateAttr(default=None)
 
     def __init__(
         self,
@@ -160,12 +173,40 @@ class AgentKV(FunctionCallingLLM):
     @property
     def metadata(self) -> LLMMetadata:
         return LLMMetadata(
-            context_window=self.context_window,
+            context_window=self.context_window or self.served_context_window(),
             num_output=self.max_tokens or -1,
             is_chat_model=True,
             is_function_calling_model=True,
             model_name=self.model,
         )
+
+    def served_context_window(self) -> int:
+        """The served model's ``max_model_len`` (``GET /v1/models``: the card whose id is
+        ``model``, else the first), read once; while the server cannot be reached,
+        ``FALLBACK_CONTEXT_WINDOW`` with a warning, and another try 30 s later."""
+        if self._served_window is not None:
+            return self._served_window
+        failed = self._lookup_failed_at
+        if failed is not None and time.monotonic() - failed < _RETRY_LOOKUP_S:
+            return FALLBACK_CONTEXT_WINDOW
+        problem = "no max_model_len in its model list"
+        try:
+            cards = served_models(self._pool.client)
+        except Exception as exc:  # unreachable, refused, not an OpenAI-compatible server
+            cards, problem = [], f"{type(exc).__name__}: {exc}"
+        card = next((c for c in cards if c.get("id") == self.model), cards[0] if cards else {})
+        value = card.get("max_model_len")
+        if isinstance(value, int) and value > 0:
+            self._served_window = value
+            return value
+        self._lookup_failed_at = time.monotonic()
+        warnings.warn(
+            f"AgentKV: cannot read the context window of {self.model!r} from the server "
+            f"({problem}); using {FALLBACK_CONTEXT_WINDOW} (pass context_window= to set it).",
+            agentkv.AgentKVWarning,
+            stacklevel=2,
+        )
+        return FALLBACK_CONTEXT_WINDOW
 
     # -- conversations ---------------------------------------------------------------------------
     @property
@@ -202,7 +243,7 @@ class AgentKV(FunctionCallingLLM):
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        key, wire, tools, params = self._request(messages, kwargs)
+        key, wire, tools, params = self._request(messages, kwargs, stream=True)
 
         def gen() -> ChatResponseGen:
             turn, chunks = self._pool.stream(key, wire, tools, **params)
@@ -218,7 +259,7 @@ class AgentKV(FunctionCallingLLM):
     async def astream_chat(
         self, messages: Sequence[ChatMessage], **kwargs: Any
     ) -> ChatResponseAsyncGen:
-        key, wire, tools, params = self._request(messages, kwargs)
+        key, wire, tools, params = self._request(messages, kwargs, stream=True)
 
         async def gen() -> ChatResponseAsyncGen:
             turn, chunks = await self._pool.astream(key, wire, tools, **params)
@@ -323,7 +364,7 @@ class AgentKV(FunctionCallingLLM):
 
     # -- helpers ---------------------------------------------------------------------------------
     def _request(
-        self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]
+        self, messages: Sequence[ChatMessage], kwargs: dict[str, Any], *, stream: bool = False
     ) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]] | None, dict[str, Any]]:
         key = str(
             kwargs.pop("conversation_id", None)
@@ -344,6 +385,9 @@ class AgentKV(FunctionCallingLLM):
         if kwargs.get("tool_choice") is None:
             kwargs.pop("tool_choice", None)
         params.update({**self.additional_kwargs, **kwargs})
+        if stream:  # the usage chunk: the final response carries it (TokenCountingHandler)
+            options = params.get("stream_options") or {}
+            params["stream_options"] = {**options, "include_usage": True}
         return key, [to_openai_message(m) for m in messages], tools, params
 
 
@@ -464,6 +508,7 @@ class _Accumulator:
         self.reasoning = ""
         self.calls: dict[int, dict[str, Any]] = {}
         self.usage: dict[str, Any] = {}
+        self.usage_chunk: ChatCompletionChunk | None = None
 
     def _calls(self) -> list[dict[str, Any]]:
         return [self.calls[i] for i in sorted(self.calls)]
@@ -471,6 +516,7 @@ class _Accumulator:
     def add(self, chunk: ChatCompletionChunk) -> ChatResponse | None:
         if chunk.usage is not None:
             self.usage = chunk.usage.model_dump()
+            self.usage_chunk = chunk
         if not chunk.choices:
             return None
         delta = chunk.choices[0].delta
@@ -495,8 +541,11 @@ class _Accumulator:
         )
 
     def final(self, turn: Turn) -> ChatResponse:
+        """The whole message, the receipt and the usage (``raw``: the usage chunk, where
+        LlamaIndex's token counting reads ``usage``)."""
         return ChatResponse(
             message=_message(self.content, self.reasoning or None, self._calls()),
             delta="",
+            raw=self.usage_chunk,
             additional_kwargs={"agentkv": _receipt(turn), "usage": self.usage},
         )
