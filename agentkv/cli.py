@@ -18,6 +18,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",  # docstrings rewrapped; "[default: …]" in help shown as written
 )
 
 
@@ -37,6 +38,35 @@ def _root(
     ] = None,
 ) -> None:
     """agentkv: conversation ids, exact token history and verified KV reuse for vLLM P/D."""
+
+
+_SIM_FLAGS = {"served_model_name": "--served-model-name"}
+_ROUTER_FLAGS = {
+    "prefill": "--prefill URL (or prefill in --config)",
+    "decode": "--decode URL (or decode in --config)",
+}
+
+
+def _one_line(exc: Exception, flags: dict[str, str]) -> str:
+    """A configuration error in one line: each pydantic problem as ``where: what`` (the flag
+    that sets the field, where known), not pydantic's multi-line dump."""
+    from pydantic import ValidationError
+
+    if not isinstance(exc, ValidationError):
+        return str(exc)
+    problems = []
+    for err in exc.errors():
+        loc = [str(x) for x in err["loc"]]
+        where = (
+            ".".join(loc) if len(loc) != 1 else flags.get(loc[0], "--" + loc[0].replace("_", "-"))
+        )
+        message = str(err["msg"]).removeprefix("Value error, ")
+        if err["type"] == "missing":
+            message = "required"
+        elif err["type"] in ("literal_error", "enum"):
+            message = f"{err.get('input')!r}: {message[0].lower()}{message[1:]}"
+        problems.append(f"{where}: {message}")
+    return "; ".join(problems)
 
 
 @app.command()
@@ -159,7 +189,7 @@ def sim(
         )
         application = create_app(config, faults=faults)
     except (ValueError, OSError) as exc:
-        typer.echo(f"agentkv sim: {exc}", err=True)
+        typer.echo(f"agentkv sim: {_one_line(exc, _SIM_FLAGS)}", err=True)
         raise typer.Exit(2) from exc
     typer.echo(
         f"agentkv sim: {config.role} engine {config.engine_id} on http://{host}:{port} "
@@ -175,13 +205,17 @@ def demo(
     profile: Annotated[
         str, typer.Option(help="Simulator profile to start (or use, when already running).")
     ] = "local",
+    port: Annotated[
+        Optional[int],  # noqa: UP045
+        typer.Option(help="The router's port [default: the profile's, 8000 for local]."),
+    ] = None,
 ) -> None:
     """Run a tool-using agent on the default backend (started if none is running) and compare
     verified reuse with a naive client and with unverified reuse."""
     from agentkv.serve.demo import run_demo
 
     _profile(profile)
-    raise typer.Exit(run_demo(profile=profile))
+    raise typer.Exit(run_demo(profile=profile, port=port))
 
 
 def _profile(name: str) -> Any:
@@ -214,14 +248,30 @@ def serve(
         float,
         typer.Option("--startup-timeout", help="Seconds each process may take to get healthy."),
     ] = 120.0,
+    port: Annotated[
+        Optional[int],  # noqa: UP045
+        typer.Option(help="The router's port (the OpenAI base URL) [default: the profile's]."),
+    ] = None,
+    base_port: Annotated[
+        Optional[int],  # noqa: UP045
+        typer.Option(
+            help="Lay every engine port out from here: P's and D's HTTP ports, then (vLLM) "
+            "their NIXL side channels, then P's KV-event ports [default: the profile's]."
+        ),
+    ] = None,
 ) -> None:
     """Start a P/D deployment (engines + router) from a profile and supervise it."""
     from rich.console import Console
 
-    from agentkv.serve import check_runtime, expand
+    from agentkv.serve import ProfileError, check_runtime, expand
+    from agentkv.serve.ports import with_ports
     from agentkv.serve.supervisor import ServeError, Supervisor
 
-    prof = _profile(profile or _default_profile())
+    try:
+        prof = with_ports(_profile(profile or _default_profile()), port=port, base_port=base_port)
+    except ProfileError as exc:
+        typer.echo(f"agentkv serve: {exc}", err=True)
+        raise typer.Exit(2) from exc
     deployment = expand(prof)
     console = Console(stderr=True)
     if dry_run:
@@ -237,6 +287,9 @@ def serve(
         for problem in problems:
             typer.echo(f"agentkv serve: {problem}", err=True)
         raise typer.Exit(2)
+    tracing = _tracing_line(prof)
+    if tracing:
+        console.print(tracing, highlight=False)
     supervisor = Supervisor(deployment, console=console, startup_timeout_s=startup_timeout)
     with supervisor.signals():
         try:
@@ -252,8 +305,40 @@ def serve(
     raise typer.Exit(code)
 
 
+def _tracing_line(prof: Any) -> str | None:
+    """What ``agentkv serve`` traces: the router from its ``OTEL_*`` environment (the profile's
+    ``otlp_traces_endpoint`` sets it), vLLM engines with ``--otlp-traces-endpoint``."""
+    import importlib.util
+    import os
+
+    from agentkv.router.tracing import otel_requested
+
+    endpoint = prof.otlp_traces_endpoint
+    if endpoint is None and not otel_requested():
+        return None
+    if importlib.util.find_spec("opentelemetry.distro") is None:
+        return (
+            "tracing: OTEL_* or otlp_traces_endpoint is set but the otel extra is not "
+            'installed (pip install "vllm-agentkv[otel]"): the router does not trace'
+        )
+    target = endpoint or os.environ.get(
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "the OTel defaults"),
+    )
+    engines = (
+        f"vLLM engines to {endpoint}"
+        if endpoint and prof.engine == "vllm"
+        else "engines do not trace (set otlp_traces_endpoint for vLLM)"
+        if prof.engine == "vllm"
+        else "simulator engines export no traces"
+    )
+    return f"tracing: router to {target}; {engines}"
+
+
 profiles_app = typer.Typer(
-    help="Launch profiles: list, show, validate, render.", no_args_is_help=True
+    help="Launch profiles: list, show, validate, render.",
+    no_args_is_help=True,
+    rich_markup_mode="markdown",
 )
 app.add_typer(profiles_app, name="profiles")
 
@@ -397,6 +482,7 @@ def router(
 
     from agentkv.router import RouterConfig, create_app
     from agentkv.router.logs import configure_logging
+    from agentkv.router.tracing import configure_opentelemetry
 
     overrides = {
         "prefill": [{"url": u} for u in prefill] if prefill else None,
@@ -417,9 +503,12 @@ def router(
         else:
             cfg = RouterConfig.model_validate({k: v for k, v in overrides.items() if v is not None})
     except (ValidationError, ValueError, OSError) as exc:
-        typer.echo(f"agentkv router: invalid configuration: {exc}", err=True)
+        typer.echo(
+            f"agentkv router: invalid configuration: {_one_line(exc, _ROUTER_FLAGS)}", err=True
+        )
         raise typer.Exit(2) from exc
     configure_logging(cfg.log_format, log_level)
+    configure_opentelemetry("agentkv-router")  # from OTEL_* (the otel extra), else a no-op
     banner = (
         f"agentkv router on http://{cfg.host}:{cfg.port}: "
         f"{len(cfg.prefill)} prefill, {len(cfg.decode)} decode, store {cfg.store}, "
@@ -499,6 +588,7 @@ def check_template(
 bench_app = typer.Typer(
     help="Benchmarks: replay real agent traces through the SDK and router; preset TTFT curves.",
     no_args_is_help=True,
+    rich_markup_mode="markdown",
 )
 app.add_typer(bench_app, name="bench")
 
@@ -878,10 +968,10 @@ def plan(
     epoch_rule: Annotated[
         bool,
         typer.Option(
-            help="Rewrites read nothing back (agentkv's router today); --no-epoch-rule "
-            "counts their verified prefix."
+            help="Model the router before reuse planner v2: a rewrite (new epoch) reads "
+            "nothing back. Default: its verified prefix is read, as the router does."
         ),
-    ] = True,
+    ] = False,
     trace_format: Annotated[
         Optional[str],  # noqa: UP045
         typer.Option("--format", help="claude-code | mooncake | vllm-multi-turn [auto]."),
@@ -1163,5 +1253,27 @@ def calibrate(
     typer.echo(f"wrote {out}")
 
 
+def command() -> Any:
+    """The click command of ``app`` with tidy help: no ``<bool>`` on flags (they take no
+    value) and a list option's element type (``<str>``; the help says to repeat it)."""
+    import typer.main
+
+    root = typer.main.get_command(app)
+
+    def tidy(cmd: Any) -> None:
+        ctx = cmd.context_class(cmd)
+        for param in cmd.get_params(ctx):  # includes the (cached) --help option
+            if getattr(param, "is_flag", False):
+                param.metavar = ""
+            elif getattr(param, "multiple", False) and param.metavar is None:
+                shown = str(param.display_type(ctx))  # "<list[str]>"
+                param.metavar = shown.replace("list[", "").replace("]", "")
+        for sub in getattr(cmd, "commands", {}).values():
+            tidy(sub)
+
+    tidy(root)
+    return root
+
+
 def main() -> None:
-    app()
+    command()()

@@ -7,6 +7,15 @@ The one-line change is the run configuration:
 ``agentkv_openai_agents.conversation(session)`` the session's id is the agentkv conversation
 id; its turns stay token-exact, and when the session hands back only its last items
 (``SessionSettings(limit=...)``), agentkv sees a rewrite and moves to a new epoch.
+
+Tracing is the Agents SDK's own, and by default it exports every run's traces to OpenAI (with
+``OPENAI_API_KEY``; without one it logs "OPENAI_API_KEY is not set, skipping trace export").
+This example turns it off (``set_tracing_disabled(True)``). To keep traces instead: export them
+to OpenAI with a key of their own, ``set_tracing_export_api_key("sk-...")``; or send them to
+your own backend with ``set_trace_processors([MyProcessor()])`` (a ``TracingProcessor``; the
+generation spans carry the served model and the usage, cached tokens included).
+``RunConfig(tracing_disabled=True)`` turns it off for one run, ``OPENAI_AGENTS_DISABLE_TRACING=1``
+for the process.
 """
 
 from __future__ import annotations
@@ -59,7 +68,9 @@ async def run(provider: AgentKVModelProvider, model: str) -> None:
 
 def main() -> None:
     args = arguments(__doc__ or "")
-    set_tracing_disabled(True)  # no OpenAI trace export from a local example
+    # No trace export to OpenAI from a local example (see the module docstring for how to
+    # export with set_tracing_export_api_key or to a processor of your own).
+    set_tracing_disabled(True)
     settings: dict[str, Any] = {"model": args.model, "on_turn": print_receipt}
     if args.simulate_tools:
         scripts = Scripts(

@@ -7,9 +7,9 @@ For a D TTL ``T`` and a ``kv_recompute_threshold`` ``θ``:
 
 * the router's TTL is ``T − margin(T)`` (:func:`router_margin`); a turn whose gap is shorter
   reads back its reusable tokens ``r`` when ``r ≥ θ`` (prefill's prefix cache is off, as in the
-  published benchmark, so nothing else is local) and, under agentkv's router (``epoch_rule``),
-  when the history was not rewritten (strips and rewrites bump the epoch, and the router then
-  releases the handle instead of reading the verified prefix);
+  published benchmark, so nothing else is local), rewrites included: the router verifies a
+  rewritten history's prefix by token ids and reads it (``epoch_rule=True`` models the router
+  before reuse planner v2, which released the handle of a rewritten history unread);
 * D holds the previous turn's blocks (``⌈held / block⌉``) for the gap when the next turn comes
   in time (it reads or releases them), else for ``T``; a session's last turn holds them for
   ``T``;
@@ -170,7 +170,7 @@ def evaluate(
     threshold: int,
     cost: CostModel,
     block_size: int = 16,
-    epoch_rule: bool = True,
+    epoch_rule: bool = False,
 ) -> PlanRow:
     """One row of the plan (see the module docstring)."""
     router_ttl = ttl_s - router_margin(ttl_s)
@@ -228,7 +228,7 @@ def offload_verdict(
     horizon_s: float = 3600.0,
     gbps: float = 25.0,
     block_size: int = 16,
-    epoch_rule: bool = True,
+    epoch_rule: bool = False,
 ) -> OffloadVerdict:
     router_ttl = ttl_s - router_margin(ttl_s)
     total = sum(s.reusable_tokens for s in steps)
@@ -309,7 +309,7 @@ def make_plan(
     ttls: Sequence[float] = DEFAULT_TTLS,
     thresholds: Sequence[int] | None = None,
     target: float = 0.95,
-    epoch_rule: bool = True,
+    epoch_rule: bool = False,
     offload_horizon_s: float = 3600.0,
     offload_gbps: float = 25.0,
 ) -> Plan:

@@ -85,24 +85,25 @@ def test_one_row_by_hand():
 
 def test_ttl_threshold_and_epoch_rule_by_hand():
     steps, tails = steps_of([_session()], 16)
-    short = evaluate(steps, tails, ttl_s=60, threshold=64, cost=COST)  # router TTL 54 s
+    old_rule = {"epoch_rule": True}  # the router before planner v2: rewrites read nothing
+    short = evaluate(steps, tails, ttl_s=60, threshold=64, cost=COST, **old_rule)  # router 54 s
     assert short.captured_tokens == 287 and short.turns_expired == 2
     assert short.retained_block_s == 18 * 10 + 24 * 60 + 30 * 60 + 18 * 60
-    high = evaluate(steps, tails, ttl_s=480, threshold=300, cost=COST)
+    high = evaluate(steps, tails, ttl_s=480, threshold=300, cost=COST, **old_rule)
     assert high.captured_tokens == 383 and high.lost_to_threshold_tokens == 287
-    long = evaluate(steps, tails, ttl_s=3600, threshold=64, cost=COST)
+    long = evaluate(steps, tails, ttl_s=3600, threshold=64, cost=COST, **old_rule)
     assert long.captured_tokens == 670 and long.lost_to_rewrites_tokens == 128
-    lenient = evaluate(steps, tails, ttl_s=3600, threshold=64, cost=COST, epoch_rule=False)
-    assert lenient.captured_tokens == 798
+    verified = evaluate(steps, tails, ttl_s=3600, threshold=64, cost=COST)  # today's router
+    assert verified.captured_tokens == 798
 
 
 def test_recommendation_by_hand():
-    plan = make_plan([_session()], COST, block_size=16)
+    plan = make_plan([_session()], COST, block_size=16, epoch_rule=True)
     # 15 s (router 9 s) catches nothing, 30-60 s the first reuse, 120 s both appends: 670 of
     # the best 670 (the rewrite is never read under the epoch rule)
     assert (plan.threshold, plan.ttl_s, plan.router_ttl_s) == (64, 120, 112.5)
     assert not plan.offload.pays and plan.offload.turns == 0
-    lenient = make_plan([_session()], COST, block_size=16, epoch_rule=False)
+    lenient = make_plan([_session()], COST, block_size=16)
     assert lenient.ttl_s == 1800  # the rewrite's 128 tokens come back 1000 s later
 
 

@@ -122,3 +122,131 @@ def test_session_limit_is_a_rewrite_and_streaming_runs(
     recorder.assert_exact("oa-trim")
     assert recorder.ids() == ["oa-trim"]
     assert pd.wrong_kv() == 0
+
+
+# -- issue 14 §2, framework fidelity ----------------------------------------------------------
+def test_fidelity_run_streamed_reports_input_and_cached_tokens(
+    pd: Stack, sdk_clients: Any, scripts: Scripts, recorder: Recorder
+) -> None:
+    from agents import ModelSettings
+
+    provider = provider_for(sdk_clients, recorder)
+    config = RunConfig(model_provider=provider)
+    usages: list[Any] = []
+
+    async def run() -> None:
+        session = SQLiteSession("oa-usage")
+        with conversation(session):
+            for text in ("First answer. " * 4, "Second answer. " * 4):
+                scripts.extend([answer(text)])
+                streamed = Runner.run_streamed(AGENT, "Go on?", session=session, run_config=config)
+                async for _event in streamed.stream_events():
+                    pass
+                assert streamed.final_output == text
+                usages.append(streamed.context_wrapper.usage)
+            # an agent that turns the usage chunk off gets none
+            quiet = AGENT.clone(model_settings=ModelSettings(include_usage=False))
+            scripts.extend([answer("Quiet.")])
+            streamed = Runner.run_streamed(quiet, "Quiet?", session=session, run_config=config)
+            async for _event in streamed.stream_events():
+                pass
+            usages.append(streamed.context_wrapper.usage)
+        session.close()
+        await provider.aclose()
+
+    asyncio.run(run())
+    turns = recorder.of("oa-usage")
+    assert len(turns) == 3 and turns[1].receipt.decision == "pull"
+    for usage, seen in zip(usages[:2], turns, strict=False):
+        assert usage.requests == 1
+        assert usage.input_tokens == seen.receipt.prompt_tokens > 0
+        assert usage.output_tokens == seen.receipt.completion_tokens > 0
+        assert usage.input_tokens_details.cached_tokens == (seen.receipt.cached_tokens or 0)
+    assert usages[1].input_tokens_details.cached_tokens > 0
+    assert usages[2].input_tokens == 0
+    # on the wire agentkv always asks (its receipts need it); the SDK gets it when it asks
+    requests = [r["body"] for r in scripts.requests]
+    assert [r.get("stream_options") for r in requests] == [{"include_usage": True}] * 3
+    assert pd.wrong_kv() == 0
+
+
+def test_fidelity_no_default_model_the_served_one_or_the_given_one(
+    pd: Stack, sdk_clients: Any, scripts: Scripts, recorder: Recorder
+) -> None:
+    from agents.exceptions import UserError
+
+    from agentkv.sim.launch import free_port
+
+    bare = Agent(name="assistant", instructions=SYSTEM)  # names no model
+    provider = provider_for(sdk_clients, recorder)
+
+    async def run(agent: Agent[Any], provider: AgentKVModelProvider) -> Any:
+        return await Runner.run(agent, "Hi?", run_config=RunConfig(model_provider=provider))
+
+    # neither the agent nor the provider: the server's model (GET /v1/models)
+    scripts.extend([answer("Served.")])
+    assert asyncio.run(run(bare, provider)).final_output == "Served."
+    assert provider.default_model == MODEL
+    assert scripts.requests[-1]["body"]["model"] == MODEL
+    # the provider's model= for agents that name none; an agent's own model wins
+    named = AgentKVModelProvider(async_client=sdk_clients[1], model="other-model")
+    assert named.served_model() == "other-model"
+    assert named.get_model(MODEL).model == MODEL  # type: ignore[attr-defined]
+    # a server that cannot be reached: an error that says what to pass
+    away = AgentKVModelProvider(base_url=f"http://127.0.0.1:{free_port()}/v1")
+    with pytest.raises(UserError, match="pass model="):
+        away.get_model(None)
+    assert away.get_model(MODEL).model == MODEL  # type: ignore[attr-defined]
+
+
+def test_fidelity_tracing_is_the_sdks_own_processors_get_the_turns(
+    sdk_clients: Any, scripts: Scripts, recorder: Recorder
+) -> None:
+    """Tracing as the docs configure it: set_trace_processors([...]) sends the spans to a
+    processor of one's own (instead of OpenAI's exporter); the generation spans carry the
+    served model and the usage."""
+    from agents import set_trace_processors
+    from agents.tracing import TracingProcessor
+    from agents.tracing.processors import default_processor
+    from agents.tracing.span_data import GenerationSpanData
+
+    class Collect(TracingProcessor):
+        def __init__(self) -> None:
+            self.spans: list[Any] = []
+
+        def on_trace_start(self, trace: Any) -> None:
+            pass
+
+        def on_trace_end(self, trace: Any) -> None:
+            pass
+
+        def on_span_start(self, span: Any) -> None:
+            pass
+
+        def on_span_end(self, span: Any) -> None:
+            self.spans.append(span)
+
+        def shutdown(self) -> None:
+            pass
+
+        def force_flush(self) -> None:
+            pass
+
+    collect = Collect()
+    set_trace_processors([collect])
+    set_tracing_disabled(False)
+    try:
+        provider = provider_for(sdk_clients, recorder)
+        scripts.extend([answer("Traced.")])
+        config = RunConfig(model_provider=provider, workflow_name="agentkv-trace")
+        result = asyncio.run(Runner.run(AGENT, "Trace?", run_config=config))
+        assert result.final_output == "Traced."
+    finally:
+        set_tracing_disabled(True)
+        set_trace_processors([default_processor()])
+    generations = [
+        s.span_data for s in collect.spans if isinstance(s.span_data, GenerationSpanData)
+    ]
+    assert len(generations) == 1
+    assert generations[0].model == MODEL
+    assert generations[0].usage["input_tokens"] == recorder.turns[-1].receipt.prompt_tokens

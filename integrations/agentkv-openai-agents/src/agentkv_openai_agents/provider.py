@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any, Literal, cast
 
 import openai
+from agents.exceptions import UserError
 from agents.models.interface import Model, ModelProvider
 from agents.models.openai_chatcompletions import OpenAIChatCompletionsModel
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
@@ -21,6 +22,7 @@ from agentkv.pool import (
     StateStore,
     TurnCallback,
     client_factories,
+    served_models,
 )
 
 __all__ = ["AgentKVModel", "AgentKVModelProvider", "conversation"]
@@ -64,8 +66,21 @@ class AgentKVModelProvider(ModelProvider):
     verbatim), else the key the Runner derives per session / trace group / run (its
     ``prompt_cache_key``: ``agents-sdk:session:<hash of the session id>``), else one id per model.
 
+    Usage: streamed runs (``Runner.run_streamed``) report input, cached and output tokens
+    like the others: the request asks for the usage chunk unless
+    ``ModelSettings(include_usage=False)``.
+
+    Tracing is the Agents SDK's own: by default it exports traces to OpenAI (with
+    ``OPENAI_API_KEY``; without one it logs that it skips the export). Turn it off with
+    ``set_tracing_disabled(True)``, ``RunConfig(tracing_disabled=True)`` or
+    ``OPENAI_AGENTS_DISABLE_TRACING=1``; export with another key via
+    ``set_tracing_export_api_key(...)``; or send the spans elsewhere with
+    ``set_trace_processors([...])`` / ``add_trace_processor(...)``.
+
     Args:
-        model: the served model used when an agent names none.
+        model: the served model for agents that name none (``Agent(model=None)``). None: the
+            server's own, read once from ``GET /v1/models`` (its first model, as vLLM lists
+            its base model first); an agent's ``model=`` always wins.
         base_url, api_key: connection settings (else ``$AGENTKV_BASE_URL`` /
             ``$AGENTKV_API_KEY``); or pass ``client`` / ``async_client``.
         on_turn: called with the agentkv conversation and its receipt after every turn.
@@ -77,7 +92,7 @@ class AgentKVModelProvider(ModelProvider):
     def __init__(
         self,
         *,
-        model: str = "agentkv-sim",
+        model: str | None = None,
         base_url: str | None = None,
         api_key: str | None = None,
         client: agentkv.Client | None = None,
@@ -127,8 +142,29 @@ class AgentKVModelProvider(ModelProvider):
                 self._async_client = self._factories[1]()
             return self._async_client
 
+    def served_model(self) -> str:
+        """The model agents use when they name none: ``model``, else the server's first
+        (``GET /v1/models``, read once)."""
+        if self.default_model is not None:
+            return self.default_model
+        try:
+            cards = served_models(self._sync_client())
+        except openai.OpenAIError as exc:
+            raise UserError(
+                "AgentKVModelProvider: the agent names no model and the server's model list "
+                f"cannot be read ({type(exc).__name__}: {exc}); pass model= to the provider "
+                "or to the Agent."
+            ) from exc
+        if not cards or not isinstance(cards[0].get("id"), str):
+            raise UserError(
+                "AgentKVModelProvider: the agent names no model and the server lists none; "
+                "pass model= to the provider or to the Agent."
+            )
+        self.default_model = str(cards[0]["id"])
+        return self.default_model
+
     def get_model(self, model_name: str | None) -> Model:
-        name = model_name or self.default_model
+        name = model_name or self.served_model()
         with self._lock:
             model = self._models.get(name)
             if model is None:
@@ -206,7 +242,9 @@ class _ChatClient:
         key = _CONVERSATION.get() or cache_key or self.model._default_key
         pool = self.model.pool
         if params.pop("stream", False):
-            params.pop("stream_options", None)
+            # the SDK asks for usage only from api.openai.com: agentkv always has it (the
+            # ModelSettings(include_usage=False) of an agent still turns it off)
+            params.setdefault("stream_options", {"include_usage": True})
             _turn, chunks = await pool.astream(key, messages, tools, **params)
             return _Stream(chunks)
         turn = await pool.arun(key, messages, tools, **params)
