@@ -44,6 +44,7 @@ from agentkv.router.request import (
     tenant_for,
 )
 from agentkv.router.store import HandleStore, make_store
+from agentkv.router.tracing import extracted
 from agentkv.router.upstream import EnginePool
 
 __all__ = ["create_app"]
@@ -160,7 +161,8 @@ def create_app(
             raw = await read_body(request, config.max_body_bytes)
             headers = {k.lower(): v for k, v in request.headers.items()}
             req = parse_request(raw, headers, chat=chat, config=config)
-            return await router.turn(req)
+            with extracted(headers):  # the client's traceparent: the parent of the turn's span
+                return await router.turn(req)
 
         return _guard(metrics, aborts, handler)
 

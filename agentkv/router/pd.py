@@ -58,6 +58,7 @@ from agentkv.router.request import ClientRequest, RouterError
 from agentkv.router.retention import Retention
 from agentkv.router.sse import Captured, clean_response, synthesize_stream
 from agentkv.router.store import StoredHandle, StoreKey
+from agentkv.router.tracing import trace_headers
 from agentkv.router.upstream import Engine, EnginePool, pick_decode, pick_prefill
 from agentkv.router.verify import Plan, PromptHashes, hash_root, held_record, plan_reuse
 
@@ -362,7 +363,9 @@ class Router:
             engine.outstanding_tokens += len(ids)
             started = time.perf_counter()
             try:
-                r = await engine.client.post("/v1/completions", json=body, timeout=timeout)
+                r = await engine.client.post(
+                    "/v1/completions", json=body, timeout=timeout, headers=trace_headers()
+                )
             except httpx.TimeoutException:
                 self.metrics.upstream_errors.labels("prefill", "timeout").inc()
                 if reads:
@@ -584,7 +587,7 @@ class Router:
                 "POST",
                 req.path,
                 content=orjson.dumps(body),
-                headers={"content-type": "application/json"},
+                headers={"content-type": "application/json", **trace_headers()},
             )
             send = engine.client.send(request, stream=True)
             upstream = await (asyncio.wait_for(send, first_byte) if first_byte else send)

@@ -16,7 +16,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -55,6 +55,8 @@ __all__ = ["SimState", "create_app"]
 _log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
+_TRACE_HEADERS = ("traceparent", "tracestate")
+"""W3C trace context headers (vLLM's ``vllm/tracing/utils.py`` ``TRACE_HEADERS``)."""
 
 
 @dataclass
@@ -66,6 +68,9 @@ class SimState:
     renderer: Renderer
     metrics: SimMetrics
     faults: Faults
+    trace_context: dict[str, str] = field(default_factory=dict)
+    """The W3C trace context (``traceparent``, ``tracestate``) of the last generation request
+    (empty when it carried none), shown by ``GET /_sim/state``."""
 
 
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -201,6 +206,9 @@ def _generate(state: SimState, *, chat: bool) -> Handler:
     r, engine, faults = state.renderer, state.engine, state.faults
 
     async def handler(request: Request) -> Response:
+        state.trace_context = {
+            k: v for k in _TRACE_HEADERS if (v := request.headers.get(k)) is not None
+        }
         body = await _json_body(request)
         _check_model(state, body)
         if faults.delay_s:
@@ -474,6 +482,7 @@ def _state(state: SimState) -> Handler:
                 "blocks_cached": engine.pool.num_cached,
                 "retained": retained,
                 "now": now,
+                "last_trace_context": state.trace_context,
             }
         )
 
