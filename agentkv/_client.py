@@ -164,6 +164,7 @@ class Conversation(_BaseConversation[openai.OpenAI]):
         try:
             prompt_ids = self._render()
             request = ledger.request(prompt_ids, chat_kwargs)
+            span.request(request, client.openai.base_url)
             if client._lease is not None:
                 client._lease.turn(self, ledger.id, request["extra_headers"])
             started = time.perf_counter()
@@ -201,7 +202,7 @@ class Conversation(_BaseConversation[openai.OpenAI]):
             texts = [self._client.renderer.detokenize(w) for w in windows]
             drift = diagnose(ledger, result, texts)
         receipt = ledger.absorb(prompt_ids, result, drift)
-        span.record(receipt)
+        span.record(receipt, result.response_model)
         return receipt
 
     def close(self) -> bool:
@@ -403,6 +404,7 @@ class AsyncConversation(_BaseConversation[openai.AsyncOpenAI]):
         try:
             prompt_ids = await self._render()
             request = ledger.request(prompt_ids, chat_kwargs)
+            span.request(request, client.openai.base_url)
             if client._lease is not None:
                 client._lease.turn(self, ledger.id, request["extra_headers"])
             started = time.perf_counter()
@@ -446,7 +448,7 @@ class AsyncConversation(_BaseConversation[openai.AsyncOpenAI]):
             texts = [await self._client.renderer.detokenize(w) for w in windows]
             drift = diagnose(ledger, result, texts)
         receipt = ledger.absorb(prompt_ids, result, drift)
-        span.record(receipt)
+        span.record(receipt, result.response_model)
         return receipt
 
     async def close(self) -> bool:

@@ -76,6 +76,8 @@ class TurnResult:
     latency_s: float
     ttft_s: float | None = None
     request_id: str | None = None
+    response_model: str | None = None
+    """The ``model`` the server answered with."""
 
 
 def _clean(message: Mapping[str, Any]) -> dict[str, Any]:

@@ -121,6 +121,7 @@ def result_from_completion(
         headers=dict(headers),
         latency_s=latency_s,
         request_id=completion.id,
+        response_model=getattr(completion, "model", None) or None,
     )
 
 
@@ -143,11 +144,13 @@ class StreamAccumulator:
         self.usage: dict[str, Any] | None = None
         self.ttft_s: float | None = None
         self.request_id: str | None = None
+        self.response_model: str | None = None
 
     def add(self, chunk: Any) -> bool:
         """Take one chunk; returns whether to pass it on to the caller."""
         data = _dump(chunk)
         self.request_id = self.request_id or data.get("id")
+        self.response_model = self.response_model or data.get("model") or None
         if data.get("prompt_token_ids") is not None:
             self.prompt_token_ids = list(data["prompt_token_ids"])
         if data.get("usage"):
@@ -198,6 +201,7 @@ class StreamAccumulator:
             latency_s=time.perf_counter() - self.started,
             ttft_s=self.ttft_s,
             request_id=self.request_id,
+            response_model=self.response_model,
         )
 
 
