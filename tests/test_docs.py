@@ -29,3 +29,19 @@ def test_every_sim_flag_is_in_the_simulator_doc():
     }
     missing = [f for f in flags if f not in text]
     assert not missing, missing
+
+
+def test_every_router_metric_is_in_the_metrics_table():
+    from agentkv.router import create_app
+
+    config = RouterConfig.model_validate(
+        {"prefill": [{"url": "http://127.0.0.1:1"}], "decode": [{"url": "http://127.0.0.1:2"}]}
+    )
+    registry = create_app(config).state.router.metrics.registry
+    text = (DOCS / "router.md").read_text()
+    rows = {line.split("`")[1] for line in text.splitlines() if line.startswith("| `agentkv_")}
+    exported = {
+        f"{family.name}_total" if family.type == "counter" else family.name
+        for family in registry.collect()
+    }
+    assert exported == rows, (exported - rows, rows - exported)

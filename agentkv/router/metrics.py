@@ -99,7 +99,19 @@ class RouterMetrics:
             registry=r,
         )
         self.turn_seconds = Histogram(
-            "agentkv_router_turn_seconds", "Whole turn latency.", buckets=_LATENCY, registry=r
+            "agentkv_router_turn_seconds",
+            "Whole turn latency (to D's last byte), by decision.",
+            ("decision",),
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.first_byte = Histogram(
+            "agentkv_router_first_byte_seconds",
+            "From the client's request to D's first byte (P, the KV read and D's first byte: "
+            "the router's TTFT), by decision.",
+            ("decision",),
+            buckets=_LATENCY,
+            registry=r,
         )
         self.store_size = Gauge(
             "agentkv_router_store_handles", "Handles held in the store.", registry=r

@@ -611,6 +611,7 @@ class Router:
                 raise _BeforeFirstByte()
             raise UpstreamError(upstream.status_code, content)
         self.metrics.d_first_byte.observe(time.perf_counter() - t0)
+        self.metrics.first_byte.labels(pre.receipt.decision).observe(time.perf_counter() - started)
         headers.update(_sim_receipt(pre.sim_headers, upstream.headers))
         if not relay:
             try:
@@ -624,7 +625,9 @@ class Router:
             engine.ok()
             captured = clean_response(data, keep_ids=req.wants_token_ids)
             await self._remember(req, key, ids, captured, engine)
-            self.metrics.turn_seconds.observe(time.perf_counter() - started)
+            self.metrics.turn_seconds.labels(pre.receipt.decision).observe(
+                time.perf_counter() - started
+            )
             if req.stream:
                 opts = req.body.get("stream_options") or {}
                 chunks = synthesize_stream(
@@ -641,7 +644,9 @@ class Router:
 
         def on_end(outcome: StreamOutcome) -> None:
             engine.outstanding_requests -= 1
-            self.metrics.turn_seconds.observe(time.perf_counter() - started)
+            self.metrics.turn_seconds.labels(pre.receipt.decision).observe(
+                time.perf_counter() - started
+            )
             if outcome.failed:
                 self.metrics.upstream_errors.labels("decode", "stream").inc()
                 engine.failed(self.config.eject_after_failures)
