@@ -30,6 +30,7 @@ __all__ = [
     "kv_transfer_config",
     "nodes_needed",
     "router_config",
+    "router_env",
 ]
 
 CONFIG_DIR = "{config_dir}"
@@ -236,6 +237,8 @@ def _vllm_argv(profile: Profile, inst: Instance, host: str) -> list[str]:
     config = kv_transfer_config(profile, inst.role)
     argv += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
     argv += _kv_events_argv(profile, inst, host)
+    if profile.otlp_traces_endpoint is not None:
+        argv += ["--otlp-traces-endpoint", profile.otlp_traces_endpoint]
     return argv + profile.extra_args + group.extra_args
 
 
@@ -303,12 +306,24 @@ def engine_env(profile: Profile, inst: Instance, host: str | None) -> dict[str, 
     if profile.engine != "vllm":
         return env
     env["PYTHONHASHSEED"] = "0"
+    if profile.otlp_traces_endpoint is not None:
+        env.setdefault("OTEL_SERVICE_NAME", f"vllm-{inst.name}")
     if host is not None:
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = _connect_host(host)
     env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(inst.side_channel_port)
     if profile.uses_gpus and host is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in inst.gpus)
     return env
+
+
+def router_env(profile: Profile) -> dict[str, str]:
+    """The router's environment: the profile's ``router.env``, over the OpenTelemetry
+    variables of ``otlp_traces_endpoint`` when it is set."""
+    env: dict[str, str] = {}
+    if profile.otlp_traces_endpoint is not None:
+        env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = profile.otlp_traces_endpoint
+        env["OTEL_SERVICE_NAME"] = "agentkv-router"
+    return {**env, **profile.router.env}
 
 
 def router_config(
@@ -402,7 +417,7 @@ def expand(profile: Profile, *, host: str = "127.0.0.1") -> Deployment:
                 "--port",
                 str(profile.router.port),
             ],
-            env=dict(profile.router.env),
+            env=router_env(profile),
             port=profile.router.port,
             health_url=f"{_url(host, profile.router.port)}/health",
             config_file=(ROUTER_CONFIG_FILE, json.dumps(config, indent=2) + "\n"),

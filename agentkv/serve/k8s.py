@@ -28,6 +28,7 @@ from agentkv.serve.expand import (
     instances,
     kv_events_config,
     router_config,
+    router_env,
 )
 from agentkv.serve.profiles import Profile
 
@@ -239,8 +240,9 @@ def _router_objects(
         "readinessProbe": _probe("http", period_s=5, failures=3),
         "volumeMounts": [{"name": "config", "mountPath": _CONFIG_MOUNT, "readOnly": True}],
     }
-    if profile.router.env:
-        container["env"] = [{"name": k, "value": v} for k, v in profile.router.env.items()]
+    env = router_env(profile)
+    if env:
+        container["env"] = [{"name": k, "value": v} for k, v in env.items()]
     pod = {
         "containers": [container],
         "volumes": [{"name": "config", "configMap": {"name": f"{name}-config"}}],

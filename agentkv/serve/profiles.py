@@ -78,6 +78,7 @@ _VLLM_OWNED_FLAGS = {
     "--max-model-len": "max_model_len",
     "--kv-offloading-size": "decode.offload",
     "--kv-offloading-backend": "decode.offload",
+    "--otlp-traces-endpoint": "otlp_traces_endpoint",
 }
 _SIM_OWNED_FLAGS = {
     "--role": "the group",
@@ -297,6 +298,13 @@ class Profile(_Model):
     env: dict[str, str] = Field(default_factory=dict)
     """Environment for every engine instance (only what the profile sets; the supervisor adds
     its own environment)."""
+    otlp_traces_endpoint: str | None = None
+    """Where the deployment's traces go (an OTLP endpoint, used as given): vLLM engines get
+    ``--otlp-traces-endpoint`` (vLLM then needs the OpenTelemetry packages), the router
+    ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` (it needs the ``otel`` extra), each process its own
+    ``OTEL_SERVICE_NAME`` (``agentkv-router``, ``vllm-prefill-0``, …) unless its env sets one.
+    Simulator engines export no traces. Unset: engines do not trace, and the router follows
+    its own ``OTEL_*`` environment."""
     nixl: NixlSettings = Field(default_factory=NixlSettings)
     prefill: PrefillGroup = Field(default_factory=PrefillGroup)
     decode: DecodeGroup = Field(default_factory=DecodeGroup)

@@ -69,6 +69,10 @@ VLLM_FLAGS = {
     '"--distributed-executor-backend", ...); vllm/config/parallel.py: '
     'DistributedExecutorBackend = Literal["ray", "mp", "uni", "external_launcher"]',
     "--max-num-seqs": 'vllm/engine/arg_utils.py: add_argument("--max-num-seqs", ...)',
+    "--otlp-traces-endpoint": "vllm/engine/arg_utils.py: observability_group.add_argument("
+    '"--otlp-traces-endpoint", **observability_kwargs["otlp_traces_endpoint"]); '
+    "vllm/config/observability.py: ObservabilityConfig.otlp_traces_endpoint: str | None "
+    "(its validator needs the OpenTelemetry packages installed)",
     "--reasoning-parser": "vllm/engine/arg_utils.py: structured_outputs_group.add_argument("
     '"--reasoning-parser", ...); names registered in vllm/reasoning/__init__.py',
     "--trust-request-chat-template": "vllm/entrypoints/common/cli_args.py: "
@@ -161,6 +165,8 @@ OTHER_ENV = {
     "'Transport Configuration'; reference/vllm-cpu.md §4: lo for loopback)",
     "FI_PROVIDER": "libfabric, NIXL's LIBFABRIC backend (vllm-protocol.md §1.2: the blog's EFA "
     "run used FI_PROVIDER=efa)",
+    "OTEL_SERVICE_NAME": "the OpenTelemetry SDK: vllm/tracing/otel.py init_otel_tracer builds "
+    "its Resource with Resource.create(), which reads OTEL_SERVICE_NAME",
 }
 
 # `agentkv sim` and `agentkv router` flags are checked against the real CLI below.
