@@ -215,24 +215,34 @@ class Router:
         self._spawn(drop())
 
     async def release(self, handle: StoredHandle, reason: str) -> None:
-        """Tell D to free a handle's blocks now: a notify-only P request."""
-        engine = pick_prefill(self.pool.prefill, None, cap_tokens=1 << 62, need_bidirectional=True)
-        if engine is None:
-            return
+        """Tell D to free a handle's blocks now: a notify-only P request, tried like a turn's
+        P request (``retries`` more times), so one failing P does not leave D pinning the
+        blocks until its TTL."""
         params = KVTransferParams.model_validate(handle.params).for_reading().release_only()
         body = {
             "prompt": handle.tail_tokens[:1] or [0],
             "max_tokens": 1,
             "kv_transfer_params": params.to_wire(),
         }
-        try:
-            r = await engine.client.post(
-                "/v1/completions", json=body, timeout=self.config.prefill_deadline_s
+        for _attempt in range(self.config.retries + 1):
+            engine = pick_prefill(
+                self.pool.prefill, None, cap_tokens=1 << 62, need_bidirectional=True
             )
+            if engine is None:
+                return
+            try:
+                r = await engine.client.post(
+                    "/v1/completions", json=body, timeout=self.config.prefill_deadline_s
+                )
+            except httpx.HTTPError:
+                self.metrics.upstream_errors.labels("prefill", "release").inc()
+                continue
             if r.status_code == 200:
                 self.metrics.released.labels(reason).inc()
-        except httpx.HTTPError:
+                return
             self.metrics.upstream_errors.labels("prefill", "release").inc()
+            if r.status_code < 500 and r.status_code != 429:
+                return  # P refused the notify itself: trying again changes nothing
 
     async def close_conversation(self, tenant: str, conversation_id: str) -> bool:
         await self.retention.drop((tenant, conversation_id))
