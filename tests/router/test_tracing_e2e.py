@@ -7,7 +7,9 @@ of the last request they got (``GET /_sim/state``), the SDK exports to the in-me
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -49,6 +51,11 @@ def _parts(traceparent: str) -> tuple[str, str]:
 
 
 def test_one_trace_from_the_sdk_through_the_router_to_p_and_d(tmp_path, monkeypatch, otel):
+    if importlib.util.find_spec("opentelemetry.distro") is None:
+        reason = 'the otel extra is not installed: pip install -e ".[dev]"'
+        if os.environ.get("CI"):
+            pytest.fail(f"{reason}; CI must run the tracing test", pytrace=False)
+        pytest.skip(reason)
     for key, value in {
         "OTEL_TRACES_EXPORTER": "console",
         "OTEL_METRICS_EXPORTER": "none",
