@@ -3,6 +3,9 @@ the router its OpenTelemetry variables, each process its own service name."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 from test_expand_golden import OTHER_ENV, VLLM_ENV, VLLM_FLAGS
 
@@ -79,3 +82,19 @@ def test_kubernetes_rendering_traces_too(tmp_path):
     text = render_k8s(_profile(tmp_path, "llama-3.1-8b-2p4d"))
     assert text.count("--otlp-traces-endpoint") == 6
     assert "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT" in text and "agentkv-router" in text
+
+
+def test_serve_says_where_traces_go(tmp_path, monkeypatch):
+    from agentkv.cli import _tracing_line
+
+    for key in [k for k in os.environ if k.startswith("OTEL_")]:
+        monkeypatch.delenv(key)
+    assert _tracing_line(load_profile("local")) is None  # nothing asked: nothing said
+    line = _tracing_line(_profile(tmp_path, "llama-3.1-8b-2p4d"))
+    assert line == f"tracing: router to {ENDPOINT}; vLLM engines to {ENDPOINT}"
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://otel:4317")
+    line = _tracing_line(load_profile("local"))
+    assert line == "tracing: router to http://otel:4317; simulator engines export no traces"
+    monkeypatch.setitem(sys.modules, "opentelemetry.distro", None)
+    line = _tracing_line(load_profile("local"))
+    assert line is not None and 'pip install "vllm-agentkv[otel]"' in line
