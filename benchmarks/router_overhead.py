@@ -15,7 +15,7 @@ cost of the path, not of a model. In front of the same two engines, in their own
 * **agentkv router (exact ids)**: given ``kv_transfer_params.prompt_token_ids`` as agentkv's SDK
   sends them (no ``/tokenize``);
 * **P then D (client)**: the client itself does the exact-ids P then D steps, keeping D's
-  handle: the baseline for the router's *added* latency.
+  handle: the baseline for the router's *added* latency (streamed, c=1).
 
 Workloads, each a conversation of 8 turns whose next prompt is the history, the answer and a new
 question (so turns 2–8 can pull the last turn's KV from D): **streamed**, 128 tokens per answer
@@ -642,9 +642,11 @@ def main() -> None:
         cells: list[Cell] = []
         plan = [(STREAMED, c) for c in concs] + [(PLAIN, c) for c in plain_concs]
         for wl, c in plan:
-            done = {t.key: Cell(t, wl, c) for t in targets}
+            # the client's own P then D is the latency baseline at c=1 only
+            here = [t for t in targets if t.kind != "pd" or (c == 1 and wl == STREAMED)]
+            done = {t.key: Cell(t, wl, c) for t in here}
             for rnd in range(args.rounds):
-                order = targets if rnd % 2 == 0 else targets[::-1]
+                order = here if rnd % 2 == 0 else here[::-1]
                 for t in order:
                     res = measure(t, wl, c, n_conv(c), rnd, tokens, sim_pids)
                     done[t.key].rounds.append(res)
