@@ -61,13 +61,19 @@ class Proc:
 
 
 def start_process(
-    name: str, argv: Sequence[str], port: int, logdir: Path, *, health: str = "/health"
+    name: str,
+    argv: Sequence[str],
+    port: int,
+    logdir: Path,
+    *,
+    health: str = "/health",
+    python: str = sys.executable,
 ) -> Proc:
     """Start ``python argv`` (stdout and stderr to a log file) and wait until ``health`` is 200."""
     log_path = logdir / f"{name}-{port}.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, *argv],
+            [python, *argv],
             stdout=log,
             stderr=log,
             cwd=ROOT,
@@ -193,6 +199,8 @@ class Connection:
         self.writer: asyncio.StreamWriter | None = None
         self.last_used = 0.0
         self.reconnects = 0
+        self.first_byte_at = 0.0
+        """Loop time at which the last response's first body byte arrived (TTFB)."""
 
     async def _open(self) -> None:
         self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
@@ -237,6 +245,7 @@ class Connection:
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             await self.close()
             raise HTTPError(f"connection lost: {exc!r}") from None
+        self.first_byte_at = asyncio.get_running_loop().time()
         lines = raw.decode("latin-1").split("\r\n")
         status = int(lines[0].split(" ", 2)[1])
         hdrs: dict[str, str] = {}
@@ -251,6 +260,8 @@ class Connection:
                 parts = []
                 while True:
                     size = int((await self.reader.readuntil(b"\r\n")).split(b";")[0], 16)
+                    if not parts:
+                        self.first_byte_at = asyncio.get_running_loop().time()
                     chunk = await self.reader.readexactly(size + 2)
                     if size == 0:
                         break

@@ -1,32 +1,47 @@
-"""Router overhead: agentkv's router against calling the engines directly and a naive P→D proxy.
+"""Router data plane: agentkv's router against vLLM's own P/D proxy and a raw relay floor.
 
 One simulator prefill instance (P) and one decode instance (D) with no simulated delays
 (``--preset zero --time-scale 0``), so every millisecond measured is HTTP, JSON and Python: the
-cost of the path, not of a model. The same chat requests (a short multi-turn history,
-``max_tokens`` 8, a fresh ``X-Conversation-Id`` each) go to:
+cost of the path, not of a model. In front of the same two engines, in their own processes:
 
-* **D direct**: one request to D, no disaggregation (the floor);
-* **P then D (client)**: the client itself sends P ``max_tokens: 1`` with ``do_remote_decode``,
-  then D with P's ``kv_transfer_params`` (D pulls the KV from P). This is the work every P/D
-  proxy must cause, so it is the fair baseline for what a proxy *adds*;
-* **naive proxy**: vLLM's example-proxy logic (round robin, P then D, no verification, no
-  store), written below on the router's own stack (Starlette, uvicorn, httpx) in its own process;
-* **agentkv router** (its own process, ``agentkv router``), sent chat messages, so it also asks
-  P's ``/tokenize`` for the prompt ids;
-* **agentkv router, exact ids**: the same with ``kv_transfer_params.prompt_token_ids``, as
-  agentkv's SDK sends them (no ``/tokenize`` call).
+* **vLLM proxy**: vLLM 0.33's example proxy (``disagg_proxy_multiturn.py`` from
+  ``../shared/peers/vllm-0.33.0``), run unmodified in its own virtualenv (``fastapi uvicorn
+  httpx sniffio``; ``--vllm-proxy-python``): FastAPI + httpx, P then D, D's handle kept per
+  ``conversation_id`` and attached to the next turn's P request without verification;
+* **relay floor** (``benchmarks/_relay_floor.py``): the same P/D steps in raw asyncio with
+  pooled keep-alive connections, D's bytes passed through: the floor for a Python proxy;
+* **agentkv router (chat)**: ``agentkv router`` given the chat messages, so it also asks P's
+  ``/tokenize`` for the prompt ids and verifies the stored handle against them;
+* **agentkv router (exact ids)**: given ``kv_transfer_params.prompt_token_ids`` as agentkv's SDK
+  sends them (no ``/tokenize``);
+* **P then D (client)**: the client itself does the exact-ids P then D steps, keeping D's
+  handle: the baseline for the router's *added* latency (streamed, c=1).
 
-Run: ``python benchmarks/router_overhead.py`` (``--quick`` for a smoke run; writes its section
-of docs/benchmarks.md unless ``--no-write``). ``--serve-naive PORT`` runs the naive proxy.
+Workloads, each a conversation of 8 turns whose next prompt is the history, the answer and a new
+question (so turns 2–8 can pull the last turn's KV from D): **streamed**, 128 tokens per answer
+(``stream_options.include_usage`` as the SDK sends it); **non-streamed**, 8 tokens. Closed loop
+with c workers; the targets alternate in each round. CPU per turn of each proxy's process from
+``/proc``.
+
+Run: ``python benchmarks/router_overhead.py`` (``--quick`` for a smoke run; writes its section of
+docs/benchmarks.md unless ``--no-write``; ``--compare`` adds router variants: httpx upstream,
+uvicorn without uvloop/httptools, granian; ``--profile`` adds a py-spy profile of the router at
+c=64, streamed).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
+import collections
+import json
+import os
+import re
+import statistics
+import subprocess
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,31 +53,23 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 
 from agentkv.sim.launch import free_port, start_sims
 from benchmarks._loadgen import (
+    ROOT,
     Connection,
     CPUMeter,
     Proc,
-    Run,
-    drive,
     exit_on_sigterm,
     logdir,
     start_process,
-    start_router,
     wait_quiet,
 )
 from benchmarks._report import machine, write_section
 
 MODEL = "sim"
-MAX_TOKENS = 8
-ROUNDS = 2
-"""Each cell runs in this many parts, the targets in alternating order."""
-CHATS = 256
-"""Distinct chat histories the requests cycle through."""
+TURNS = 8
 D_TTL_S = 60.0
-"""D keeps each finished turn's blocks this long (every P→D path makes D retain them); short so
-the pool does not fill during the run."""
 SIM_ARGS = [
     *("--preset", "zero", "--time-scale", "0", "--served-model-name", MODEL),
-    *("--num-blocks", "131072", "--decoder-kv-blocks-ttl", str(D_TTL_S)),
+    *("--num-blocks", "262144", "--decoder-kv-blocks-ttl", str(D_TTL_S)),
 ]
 PREFILL_PARAMS = {
     "do_remote_decode": True,
@@ -72,321 +79,374 @@ PREFILL_PARAMS = {
     "remote_host": None,
     "remote_port": None,
 }
-
-# -- the naive proxy -----------------------------------------------------------------------------
-
-
-def naive_proxy_app(prefill: list[str], decode: list[str]) -> Any:
-    """vLLM's example P→D proxy, reduced to its logic: round robin over P and over D, P gets
-    ``max_tokens: 1`` and ``do_remote_decode``, D gets P's params; D's body goes back as is."""
-    import contextlib
-
-    from starlette.applications import Starlette
-    from starlette.requests import Request
-    from starlette.responses import Response
-    from starlette.routing import Route
-
-    # unbounded, as vLLM's proxy; idle connections dropped after 2 s, before the engines' own
-    # 5 s keep-alive timeout closes them under a request (httpx does not retry that race)
-    limits = httpx.Limits(
-        max_connections=None, max_keepalive_connections=None, keepalive_expiry=2.0
-    )
-    clients: dict[str, httpx.AsyncClient] = {}
-    p_cycle, d_cycle = itertools.cycle(prefill), itertools.cycle(decode)
-
-    def client(url: str) -> httpx.AsyncClient:
-        if url not in clients:
-            clients[url] = httpx.AsyncClient(
-                base_url=url, timeout=None, limits=limits, trust_env=False
-            )
-        return clients[url]
-
-    async def generate(request: Request) -> Response:
-        path = request.url.path
-        body = orjson.loads(await request.body())
-        p_body = dict(body, max_tokens=1, stream=False, kv_transfer_params=PREFILL_PARAMS)
-        for key in ("min_tokens", "min_completion_tokens", "max_completion_tokens"):
-            p_body.pop(key, None)
-        p = await client(next(p_cycle)).post(path, content=orjson.dumps(p_body))
-        if p.status_code != 200:
-            return Response(p.content, status_code=p.status_code, media_type="application/json")
-        d_body = dict(body, kv_transfer_params=p.json().get("kv_transfer_params"))
-        d = await client(next(d_cycle)).post(path, content=orjson.dumps(d_body))
-        return Response(d.content, status_code=d.status_code, media_type="application/json")
-
-    async def health(request: Request) -> Response:
-        return Response(b"{}", media_type="application/json")
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> Any:
-        yield
-        for c in clients.values():
-            await c.aclose()
-
-    return Starlette(
-        routes=[
-            Route("/v1/chat/completions", generate, methods=["POST"]),
-            Route("/v1/completions", generate, methods=["POST"]),
-            Route("/health", health, methods=["GET"]),
-        ],
-        lifespan=lifespan,
-    )
+VLLM_PROXY = ROOT.parent / "shared" / "peers" / "vllm-0.33.0" / "disagg_proxy_multiturn.py"
+CHAT = "/v1/chat/completions"
+_IDS = re.compile(rb'"token_ids":\[([^\]]*)\]')
 
 
-def serve_naive(port: int, prefill: list[str], decode: list[str]) -> None:
-    import uvicorn
-
-    uvicorn.run(
-        naive_proxy_app(prefill, decode),
-        host="127.0.0.1",
-        port=port,
-        log_level="warning",
-        access_log=False,
-    )
+@dataclass(frozen=True)
+class Workload:
+    key: str
+    name: str
+    stream: bool
+    max_tokens: int
 
 
-# -- requests ------------------------------------------------------------------------------------
-
-
-def chat(i: int) -> list[dict[str, str]]:
-    return [
-        {"role": "system", "content": "You are a terse assistant for a multi-turn agent."},
-        {"role": "user", "content": f"Task {i}: list the files changed in step {i % 17}."},
-        {"role": "assistant", "content": f"Step {i % 17} changed router.py and store.py."},
-        {"role": "user", "content": "Which of them holds the handle store?"},
-    ]
+STREAMED = Workload("stream", "streamed, 128 tokens", True, 128)
+PLAIN = Workload("plain", "non-streamed, 8 tokens", False, 8)
 
 
 @dataclass
 class Target:
-    name: str
     key: str
+    name: str
     url: str
     kind: str
-    """``single`` (one request), ``p_then_d`` (the client does both), ``router``, ``exact``."""
+    """``chat`` (messages), ``exact`` (messages + exact ids), ``pd`` (the client does P, D)."""
+    pid: int | None = None
 
 
-class Requests:
-    """Pre-encoded bodies, so the client spends no time building JSON during a run."""
+# -- conversations -------------------------------------------------------------------------------
 
-    def __init__(self, prompt_ids: list[list[int]]) -> None:
-        self.plain = [
-            orjson.dumps({"model": MODEL, "messages": chat(i), "max_tokens": MAX_TOKENS})
-            for i in range(CHATS)
-        ]
-        self.exact = [
-            orjson.dumps(
+
+def system_prompt(cell: str, i: int) -> str:
+    return (
+        f"You are coding agent {i} of run {cell}. You work in a repository with a router, a "
+        "store and a simulator. Answer briefly and name the files you touch."
+    )
+
+
+def question(turn: int) -> str:
+    return f"Step {turn}: which file should change next, and why?"
+
+
+@dataclass
+class Stats:
+    latencies: list[float] = field(default_factory=list)
+    ttfb: list[float] = field(default_factory=list)
+    decisions: collections.Counter[str] = field(default_factory=collections.Counter)
+    failures: list[str] = field(default_factory=list)
+
+
+class Tokens:
+    """Exact prompt ids without a tokenizer in the client: the first prompt of conversation
+    ``i`` is a shared rendered prefix plus ids unique to (cell, i); each next one is the last
+    prompt + the answer's ids + a rendered question (the engines take the ids as given)."""
+
+    def __init__(self, p_url: str, d_url: str) -> None:
+        self.p_url, self.d_url = p_url, d_url
+
+        def tok(body: dict[str, Any]) -> list[int]:
+            r = httpx.post(f"{p_url}/tokenize", json=body, timeout=30, trust_env=False)
+            return [int(t) for t in r.json()["tokens"]]
+
+        self.base = tok({"model": MODEL, "messages": [{"role": "system", "content": "x" * 200}]})
+        self.suffix = [
+            tok(
                 {
                     "model": MODEL,
-                    "messages": chat(i),
-                    "max_tokens": MAX_TOKENS,
-                    "kv_transfer_params": {"prompt_token_ids": prompt_ids[i]},
+                    "prompt": f"<|im_end|>\n<|im_start|>user\n{question(t)}<|im_end|>\n"
+                    "<|im_start|>assistant\n",
+                    "add_special_tokens": False,
                 }
             )
-            for i in range(CHATS)
+            for t in range(TURNS)
         ]
-        self.prefill = [
-            orjson.dumps(
-                {
-                    "model": MODEL,
-                    "messages": chat(i),
-                    "max_tokens": 1,
-                    "stream": False,
-                    "kv_transfer_params": PREFILL_PARAMS,
-                }
+
+    def first(self, cell: str, i: int) -> list[int]:
+        seed = hash((cell, i)) & 0xFFFFFFFF
+        return [*self.base, *(1000 + (seed >> (4 * k)) % 60000 for k in range(8)), *self.suffix[0]]
+
+
+def _content(data: bytes, stream: bool) -> str:
+    if not stream:
+        choice = orjson.loads(data)["choices"][0]
+        return str(choice["message"].get("content") or "")
+    parts = []
+    for line in data.split(b"\n"):
+        if line.startswith(b"data: {"):
+            for choice in orjson.loads(line[6:]).get("choices") or []:
+                parts.append((choice.get("delta") or {}).get("content") or "")
+    return "".join(parts)
+
+
+def _out_ids(data: bytes) -> list[int]:
+    out: list[int] = []
+    for m in _IDS.finditer(data):
+        if m.group(1):
+            out.extend(int(x) for x in m.group(1).split(b","))
+    return out
+
+
+def _d_handle(data: bytes, stream: bool) -> dict[str, Any] | None:
+    if not stream:
+        return orjson.loads(data).get("kv_transfer_params")  # type: ignore[no-any-return]
+    for line in data.split(b"\n"):
+        if b'"kv_transfer_params":{' in line:
+            return orjson.loads(line[6:])["kv_transfer_params"]  # type: ignore[no-any-return]
+    return None
+
+
+async def conversation(
+    conns: list[Connection], i: int, t: Target, wl: Workload, cell: str, tokens: Tokens, st: Stats
+) -> None:
+    loop = asyncio.get_running_loop()
+    cid = f"{cell}-{i}"
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": system_prompt(cell, i)},
+        {"role": "user", "content": question(0)},
+    ]
+    ids = tokens.first(cell, i)
+    handle: dict[str, Any] | None = None
+    for turn in range(TURNS):
+        body: dict[str, Any] = {
+            "model": MODEL,
+            "messages": messages,
+            "max_tokens": wl.max_tokens,
+            "chat_template_kwargs": {"enable_thinking": False},
+        }
+        if wl.stream:
+            body["stream"] = True
+            body["stream_options"] = {"include_usage": True}
+        headers = {"X-Conversation-Id": cid}
+        t0 = loop.time()
+        if t.kind == "pd":
+            params = (
+                dict(handle, do_remote_decode=True, do_remote_prefill=False) if handle else None
             )
-            for i in range(CHATS)
-        ]
-
-
-PATH = "/v1/chat/completions"
-
-
-def job_for(target: Target, reqs: Requests, cell: str, p_url: str) -> Any:
-    async def job(conns: list[Connection], i: int) -> list[float]:
-        loop = asyncio.get_running_loop()
-        k = i % CHATS
-        t = loop.time()
-        if target.kind == "p_then_d":
-            status, _, data = await conns[1].post(PATH, reqs.prefill[k])
+            p_body = {
+                "model": MODEL,
+                "prompt": ids,
+                "max_tokens": 1,
+                "stream": False,
+                "kv_transfer_params": params or PREFILL_PARAMS,
+            }
+            status, _, data = await conns[1].post("/v1/completions", orjson.dumps(p_body))
             if status != 200:
                 raise RuntimeError(f"P answered {status}: {data[:200]!r}")
-            params = orjson.loads(data)["kv_transfer_params"]
-            body = orjson.loads(reqs.plain[k])
-            body["kv_transfer_params"] = params
-            status, _, data = await conns[0].post(PATH, orjson.dumps(body))
+            p_params = orjson.loads(data)["kv_transfer_params"]
+            body["kv_transfer_params"] = dict(p_params, prompt_token_ids=ids)
+            body["return_token_ids"] = True
+            status, hdrs, data = await conns[2].post(CHAT, orjson.dumps(body))
+            conn = conns[2]
         else:
-            body = reqs.exact[k] if target.kind == "exact" else reqs.plain[k]
-            headers = {"X-Conversation-Id": f"{cell}-{i}"} if target.kind != "single" else None
-            status, _, data = await conns[0].post(PATH, body, headers)
-        elapsed = loop.time() - t
+            body["conversation_id"] = cid
+            if t.kind == "exact":
+                body["kv_transfer_params"] = {"prompt_token_ids": ids}
+                body["return_token_ids"] = True
+            status, hdrs, data = await conns[0].post(CHAT, orjson.dumps(body), headers)
+            conn = conns[0]
+        elapsed = loop.time() - t0
         if status != 200:
-            raise RuntimeError(f"{target.name} answered {status}: {data[:200]!r}")
-        if b'"choices"' not in data:
-            raise RuntimeError(f"{target.name}: no choices in {data[:200]!r}")
-        return [elapsed]
+            raise RuntimeError(f"{t.name} answered {status}: {data[:200]!r}")
+        st.latencies.append(elapsed)
+        st.ttfb.append(conn.first_byte_at - t0)
+        st.decisions[hdrs.get("x-agentkv-decision", "—")] += 1
+        content = _content(data, wl.stream)
+        if t.kind in ("exact", "pd"):
+            out = _out_ids(data)
+            if not out:
+                raise RuntimeError(f"{t.name}: no token ids in the answer")
+            ids = [*ids, *out, *tokens.suffix[(turn + 1) % TURNS]]
+        if t.kind == "pd":
+            handle = _d_handle(data, wl.stream)
+        messages = [
+            *messages,
+            {"role": "assistant", "content": content},
+            {"role": "user", "content": question(turn + 1)},
+        ]
 
-    def conns() -> list[Connection]:
-        return [Connection(target.url), Connection(p_url)]
 
-    return job, conns
+async def drive(
+    t: Target, wl: Workload, concurrency: int, conversations: int, cell: str, tokens: Tokens
+) -> tuple[Stats, float]:
+    st = Stats()
+    counter = iter(range(conversations))
+    p_url, d_url = tokens.p_url, tokens.d_url
+
+    async def worker() -> None:
+        conns = [Connection(t.url), Connection(p_url), Connection(d_url)]
+        try:
+            for i in counter:
+                try:
+                    await conversation(conns, i, t, wl, cell, tokens, st)
+                except Exception as exc:
+                    st.failures.append(f"{type(exc).__name__}: {exc}"[:300])
+                    for c in conns:
+                        await c.close()
+        finally:
+            for c in conns:
+                await c.close()
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return st, time.perf_counter() - started
+
+
+# -- cells -------------------------------------------------------------------------------------
 
 
 @dataclass
 class Cell:
     target: Target
+    workload: Workload
     concurrency: int
-    run: Run
-    sims_cpu_s: float
-    proxy_cpu_s: float
-    other_cores: float
+    rounds: list[tuple[Stats, float, float, float]] = field(default_factory=list)
+    """(stats, wall s, proxy CPU s, other cores) per round."""
+
+    def _all(self, name: str) -> list[float]:
+        return [x for r in self.rounds for x in getattr(r[0], name)]
 
     @property
-    def server_ms(self) -> float:
-        return (self.sims_cpu_s + self.proxy_cpu_s) / self.run.requests * 1000
+    def turns(self) -> int:
+        return sum(len(r[0].latencies) for r in self.rounds)
 
     @property
-    def proxy_ms(self) -> float:
-        return self.proxy_cpu_s / self.run.requests * 1000
+    def failures(self) -> list[str]:
+        return [f for r in self.rounds for f in r[0].failures]
+
+    @property
+    def cpu_ms_rounds(self) -> list[float]:
+        return [r[2] / len(r[0].latencies) * 1000 for r in self.rounds if r[0].latencies]
+
+    @property
+    def cpu_ms(self) -> float:
+        """Median over rounds of the proxy's CPU ms per turn."""
+        xs = self.cpu_ms_rounds
+        return statistics.median(xs) if xs else float("nan")
+
+    @property
+    def rps(self) -> float:
+        wall = sum(r[1] for r in self.rounds)
+        return self.turns / wall if wall else 0.0
+
+    def pct(self, name: str, q: float) -> float:
+        xs = sorted(self._all(name))
+        if not xs:
+            return float("nan")
+        return xs[min(len(xs) - 1, max(0, round(q / 100 * len(xs)) - 1))] * 1000
+
+    @property
+    def other(self) -> float:
+        wall = sum(r[1] for r in self.rounds)
+        return sum(r[1] * r[3] for r in self.rounds) / wall if wall else 0.0
+
+    @property
+    def decisions(self) -> collections.Counter[str]:
+        out: collections.Counter[str] = collections.Counter()
+        for r in self.rounds:
+            out.update(r[0].decisions)
+        return out
+
+
+def tree_cpu(pid: int) -> float:
+    """CPU seconds of a process and its children (granian serves from a worker process)."""
+    from benchmarks._loadgen import cpu_seconds
+
+    total = cpu_seconds(pid)
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(stat[1]) == pid:
+                total += cpu_seconds(int(entry.name))
+    return total
 
 
 def measure(
-    target: Target,
-    concurrency: int,
-    n: int,
-    reqs: Requests,
-    p_url: str,
-    sim_pids: list[int],
-    proxy_pid: int | None,
-    rnd: int,
-) -> Cell:
-    cell = f"{target.key}-c{concurrency}-r{rnd}"
-    warm = max(50, min(n // 5, 4 * concurrency))
-    job, conns = job_for(target, reqs, f"{cell}-warmup", p_url)
-    asyncio.run(drive(warm, concurrency, conns, job))
-    job, conns = job_for(target, reqs, cell, p_url)
-    pids = [*sim_pids, *([proxy_pid] if proxy_pid else [])]
+    t: Target, wl: Workload, c: int, n_conv: int, rnd: int, tokens: Tokens, pids: list[int]
+) -> tuple[Stats, float, float, float]:
+    cell = f"{t.key}-{wl.key}-c{c}-r{rnd}-{os.getpid()}"
+    asyncio.run(drive(t, wl, c, max(c, 8), f"{cell}-warm", tokens))
     with CPUMeter(pids) as meter:
-        run = asyncio.run(drive(n, concurrency, conns, job))
-    sims = sum(meter.procs_s[: len(sim_pids)])
-    proxy = sum(meter.procs_s[len(sim_pids) :])
-    return Cell(target, concurrency, run, sims, proxy, meter.other_cores)
-
-
-def merge(a: Cell, b: Cell) -> Cell:
-    """One cell from two rounds of it."""
-    run = Run(
-        latencies=a.run.latencies + b.run.latencies,
-        failures=a.run.failures + b.run.failures,
-        wall_s=a.run.wall_s + b.run.wall_s,
-        client_cpu_s=a.run.client_cpu_s + b.run.client_cpu_s,
-    )
-    other = (a.other_cores * a.run.wall_s + b.other_cores * b.run.wall_s) / run.wall_s
-    return Cell(
-        a.target,
-        a.concurrency,
-        run,
-        a.sims_cpu_s + b.sims_cpu_s,
-        a.proxy_cpu_s + b.proxy_cpu_s,
-        other,
-    )
-
-
-PROFILE = [
-    "Where the router's CPU goes (py-spy on the router process, exact ids, c=64, on this",
-    "machine when this benchmark was written): about a third in httpcore's connection-pool",
-    "bookkeeping (`AsyncConnectionPool._assign_requests_to_connections`, which walks every",
-    "pooled connection, polling idle sockets through anyio, on each request and each",
-    "release), most of the rest in the HTTP stack (h11 in uvicorn and in httpcore, anyio,",
-    "socket writes), and a few percent in agentkv's own steps (parsing, verification, store,",
-    "metrics). It is the main reason why the router's and the naive proxy's CPU per request",
-    "grow with concurrency.",
-]
+        before = tree_cpu(t.pid) if t.pid else 0.0
+        st, wall = asyncio.run(drive(t, wl, c, n_conv, cell, tokens))
+        proxy = (tree_cpu(t.pid) - before) if t.pid else 0.0
+    return st, wall, proxy, meter.other_cores
 
 
 # -- report ------------------------------------------------------------------------------------
 
-
-def _added(cell: Cell, base: Cell | None) -> str:
-    if base is None or base is cell:
-        return "— | —"
-    return f"{cell.run.p50 - base.run.p50:+.2f} | {cell.run.p99 - base.run.p99:+.2f}"
+ORDER = ["vllm", "floor", "router", "exact", "pd"]
 
 
-def report(cells: list[Cell], n_by_c: dict[int, int], wall_s: float, quiet: float) -> str:
-    by = {(c.target.key, c.concurrency): c for c in cells}
-    concs = sorted({c.concurrency for c in cells})
+def report(
+    cells: list[Cell], args: argparse.Namespace, wall_s: float, quiet: float, extra: list[str]
+) -> str:
+    by = {(c.target.key, c.workload.key, c.concurrency): c for c in cells}
     lines = [
-        "## Router overhead",
+        "## Router data plane (and overhead)",
         "",
         f"`python benchmarks/router_overhead.py` — {machine()}.",
         "",
         "One simulator P and one simulator D with no simulated delays (`--preset zero",
-        "--time-scale 0`): every millisecond below is HTTP, JSON and Python, not a model. Each",
-        f"request is a 4-message chat (65 prompt tokens, `max_tokens` {MAX_TOKENS}, not",
-        "streamed) with a fresh `X-Conversation-Id`, so the router's decision is `miss` (nothing",
-        "to reuse yet) and it stores D's handle after the turn; reuse on later turns is measured",
-        "by `router_load.py`. Targets:",
+        "--time-scale 0`): every millisecond is HTTP, JSON and Python. Conversations of 8",
+        "turns (the next prompt is the history, the answer and a new question, so turns 2–8",
+        "can pull the last turn's KV from D), streamed with 128 tokens per answer",
+        "(`stream_options.include_usage`, as the SDK sends it) or not streamed with 8. Targets,",
+        "each its own process in front of the same P and D:",
         "",
-        "- **D direct**: one request to D, no disaggregation;",
-        "- **P then D**: the client itself sends P `max_tokens: 1` with `do_remote_decode`, then",
-        "  D with P's handle (D pulls the KV from P). This is the work any P/D proxy causes, so",
-        "  it is the baseline for what a proxy *adds*;",
-        "- **naive proxy**: vLLM's example-proxy logic (round robin, P then D, no verification,",
-        "  no store), written in the benchmark on the router's own stack (Starlette, uvicorn,",
-        "  httpx with an unbounded pool whose idle connections expire after 2 s) in its own",
-        "  process;",
-        "- **agentkv router** given chat messages: it first asks P's `/tokenize` for the prompt",
-        "  ids, so it makes three upstream calls per turn;",
-        "- **agentkv router, exact ids**: given `kv_transfer_params.prompt_token_ids` as",
-        "  agentkv's SDK sends them (two upstream calls).",
+        "- **vLLM proxy**: vLLM 0.33's `disagg_proxy_multiturn.py`, unmodified, in its own",
+        "  virtualenv (`fastapi uvicorn httpx sniffio`); it logs each request at INFO, as",
+        "  shipped;",
+        "- **relay floor**: `benchmarks/_relay_floor.py`, the same P/D steps in raw asyncio,",
+        "  pooled keep-alive connections, D's bytes passed through (no verification, nothing",
+        "  stripped): the floor for a Python proxy;",
+        "- **agentkv router (chat)**: given the messages: it asks P's `/tokenize`, verifies the",
+        "  handle against the ids, strips internal fields;",
+        "- **agentkv router (exact ids)**: given `kv_transfer_params.prompt_token_ids` and",
+        "  `return_token_ids`, as the SDK sends them;",
+        "- **P then D (client)**: the client does the exact-ids P then D steps itself (the",
+        "  baseline for the router's added latency).",
         "",
-        "Fixed request counts per cell",
-        f"({', '.join(f'{n_by_c[c]:,} at c={c}' for c in concs)}), run in {ROUNDS} rounds with the",
-        "targets in alternating order (so that load from outside the benchmark, which comes",
-        "and goes, spreads over all of them), each after a warm-up, in a closed loop (each of",
-        "the c workers sends its next request when its last one is answered).",
-        "Latency is a request's time on the client, from writing it to reading the whole body;",
-        "the client is a raw asyncio HTTP/1.1 client (one keep-alive connection per worker) in",
-        "the benchmark's process. *Added* columns subtract the baseline's p50 (p99) at the same",
-        "concurrency. *Server CPU* is the CPU time of P, D and the proxy per request, *proxy",
-        "CPU* the proxy's (router's) share, both from `/proc`; *client* is the load generator's",
-        "share of one core; *other* is what processes outside the benchmark kept busy during",
-        "the cell, in cores.",
+        f"{args.rounds} rounds, the targets in alternating order in each; a warm-up before",
+        "each cell. *CPU ms/turn* is the proxy process's CPU time (`/proc`, user + system) per",
+        "turn, the median of the rounds (min–max in brackets); *× vLLM* divides it by vLLM's",
+        "proxy's in the same cell. Latency is per turn on the client (a raw asyncio HTTP/1.1",
+        "client, one keep-alive connection per worker, in the benchmark's process), TTFB to",
+        "the first body byte. *other*: cores used by processes outside the benchmark during",
+        "the cell (noise).",
         "",
-        "**This machine has 2 cores, shared by everything in the run**: the client, P, D and",
-        "the proxy are separate processes competing for them. At c=1 the figures are the",
-        "path's own cost; at c=64 and c=256 the machine is saturated, latency is mostly",
-        "queueing for a CPU (≈ c ÷ req/s), and a proxy's added latency is, to first order, c ×",
-        "its CPU per request ÷ 2 cores. Run-to-run noise at c≥64 is large when *other* is not",
-        "near 0.",
-        "",
-        "| target | c | req/s | p50 ms | p99 ms | added p50 vs D direct | added p99 vs D direct "
-        "| added p50 vs P then D | added p99 vs P then D | server CPU ms/req "
-        "| proxy CPU ms/req | client | other |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| workload | c | target | CPU ms/turn | × vLLM | turns/s | p50 ms | p99 ms | TTFB p50 "
+        "| decisions | other |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
-    for c in concs:
-        for key in ("direct", "pd", "naive", "router", "exact"):
-            cell = by.get((key, c))
-            if cell is None:
-                continue
-            r = cell.run
-            fails = f" ({len(r.failures)} failed)" if r.failures else ""
-            pd = by.get(("pd", c)) if key in ("naive", "router", "exact") else None
-            proxy = f"{cell.proxy_ms:.2f}" if cell.proxy_cpu_s else "—"
-            lines.append(
-                f"| {cell.target.name}{fails} | {c} | {r.rps:,.0f} | {r.p50:.2f} | {r.p99:.2f} "
-                f"| {_added(cell, by.get(('direct', c)))} | {_added(cell, pd)} "
-                f"| {cell.server_ms:.2f} | {proxy} | {r.client_cpu_s / r.wall_s:.0%} "
-                f"| {cell.other_cores:.2f} |"
-            )
-    lines += ["", *_verdict(by, concs), "", *PROFILE]
-    failed = [c for c in cells if c.run.failures]
+    for wl in (STREAMED, PLAIN):
+        for c in sorted({x.concurrency for x in cells if x.workload == wl}):
+            base = by.get(("vllm", wl.key, c))
+            keys = ORDER + sorted({x.target.key for x in cells} - set(ORDER))
+            for key in keys:
+                cell = by.get((key, wl.key, c))
+                if cell is None:
+                    continue
+                rs = cell.cpu_ms_rounds
+                cpu = (
+                    f"{cell.cpu_ms:.2f} ({min(rs):.2f}–{max(rs):.2f})"
+                    if cell.target.pid and rs
+                    else "—"
+                )
+                ratio = (
+                    f"{cell.cpu_ms / base.cpu_ms:.2f}"
+                    if base and cell.target.pid and base.cpu_ms
+                    else "—"
+                )
+                dec = ", ".join(f"{k} {v}" for k, v in cell.decisions.most_common() if k != "—")
+                fails = f" ({len(cell.failures)} failed)" if cell.failures else ""
+                lines.append(
+                    f"| {wl.name} | {c} | {cell.target.name}{fails} | {cpu} | {ratio} "
+                    f"| {cell.rps:,.0f} | {cell.pct('latencies', 50):.2f} "
+                    f"| {cell.pct('latencies', 99):.2f} | {cell.pct('ttfb', 50):.2f} "
+                    f"| {dec or '—'} | {cell.other:.2f} |"
+                )
+    lines += ["", *verdict(by, cells), *extra]
+    failed = [c for c in cells if c.failures]
     if failed:
-        lines += ["", "Failed requests (first message of each cell):", ""]
+        lines += ["", "Failed turns (first message of each cell):", ""]
         lines += [
-            f"- {c.target.name}, c={c.concurrency}: {len(c.run.failures)}, `{c.run.failures[0]}`"
+            f"- {c.target.name}, {c.workload.name}, c={c.concurrency}: {len(c.failures)}, "
+            f"`{c.failures[0]}`"
             for c in failed
         ]
     lines += [
@@ -396,68 +456,148 @@ def report(cells: list[Cell], n_by_c: dict[int, int], wall_s: float, quiet: floa
     return "\n".join(lines)
 
 
-def _verdict(by: dict[tuple[str, int], Cell], concs: list[int]) -> list[str]:
+def verdict(by: dict[tuple[str, str, int], Cell], cells: list[Cell]) -> list[str]:
     out = []
-    for c in concs:
-        base = by.get(("pd", c))
-        if base is None:
-            continue
-        parts = [
-            f"{by[(k, c)].target.name} {by[(k, c)].run.p50 - base.run.p50:+.2f} ms "
-            f"({by[(k, c)].proxy_ms:.2f} ms CPU/req)"
-            for k in ("naive", "router", "exact")
-            if (k, c) in by
+    for key in ("router", "exact"):
+        c64, v64 = by.get((key, "stream", 64)), by.get(("vllm", "stream", 64))
+        if c64 and v64:
+            ratio = c64.cpu_ms / v64.cpu_ms
+            out.append(
+                f"- {c64.target.name}, streamed, c=64: {c64.cpu_ms:.2f} ms CPU/turn, "
+                f"{ratio:.2f} × vLLM's proxy ({v64.cpu_ms:.2f} ms): goal ≤ 0.33, "
+                f"**{'met' if ratio <= 1 / 3 else 'not met'}**."
+            )
+        xs = [
+            by[(key, "stream", c)].cpu_ms
+            for c in sorted({x.concurrency for x in cells})
+            if (key, "stream", c) in by
         ]
-        out.append(f"- c={c}, added p50 over P then D: " + "; ".join(parts) + ".")
-    c64 = [by[(k, 64)] for k in ("router", "exact") if (k, 64) in by and ("pd", 64) in by]
-    if c64:
-        best = min(c.run.p50 - by[("pd", 64)].run.p50 for c in c64)
-        met = "met" if best <= 2.0 else "not met"
+        if len(xs) > 1:
+            mid = statistics.median(xs)
+            spread = max(abs(x - mid) / mid for x in xs)
+            out.append(
+                f"- {by[(key, 'stream', 64)].target.name if (key, 'stream', 64) in by else key}"
+                f", streamed, CPU/turn across c: {', '.join(f'{x:.2f}' for x in xs)} ms, "
+                f"±{spread:.0%} around the median (goal ±20 %)."
+            )
+        p1, d1 = by.get((key, "plain", 64)), by.get(("vllm", "plain", 64))
+        if p1 and d1:
+            out.append(
+                f"- {p1.target.name}, non-streamed, c=64: {p1.cpu_ms:.2f} ms, "
+                f"{p1.cpu_ms / d1.cpu_ms:.2f} × vLLM's proxy."
+            )
+    e1, b1 = by.get(("exact", "stream", 1)), by.get(("pd", "stream", 1))
+    if e1 and b1:
+        added = e1.pct("latencies", 50) - b1.pct("latencies", 50)
         out.append(
-            f"- Target (added p50 ≤ 2 ms at c=64): **{met}** on this machine (best "
-            f"{best:+.1f} ms). With zero-cost engines every process is CPU-bound, so at c=64 "
-            "a proxy's added latency is its CPU per request times the queue, not its "
-            "per-request path; the c=1 row and the CPU columns are the router's own cost."
+            f"- Added p50 latency at c=1 over the client doing P then D itself (exact ids, "
+            f"streamed): {added:+.2f} ms (goal ≤ 1 ms)."
         )
     return out
 
 
-# -- main --------------------------------------------------------------------------------------
+# -- profile -------------------------------------------------------------------------------------
+
+LIBS = [
+    ("aiohttp", "aiohttp"),
+    ("httpx", "httpx"),
+    ("httpcore", "httpcore"),
+    ("anyio", "anyio"),
+    ("h11", "h11"),
+    ("uvicorn", "uvicorn"),
+    ("starlette", "starlette"),
+    ("prometheus_client", "prometheus"),
+    ("opentelemetry", "opentelemetry"),
+    ("pydantic", "pydantic"),
+    ("agentkv/router/sse", "agentkv relay (sse.py)"),
+    ("agentkv/router/verify", "agentkv verify"),
+    ("agentkv/router/store", "agentkv store"),
+    ("agentkv/router/request", "agentkv parse"),
+    ("agentkv", "agentkv (other)"),
+    ("asyncio", "asyncio"),
+    ("logging", "logging"),
+]
+
+
+def summarize_profile(path: Path) -> list[str]:
+    """Self time by library of the innermost frame, from py-spy's raw (collapsed) output."""
+    self_by: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not n.isdigit():
+            continue
+        count = int(n)
+        total += count
+        leaf = stack.split(";")[-1]
+        lib = next((name for key, name in LIBS if key in leaf), "other (stdlib, C)")
+        self_by[lib] += count
+    if not total:
+        return ["(no samples)"]
+    return [f"{lib} {n / total:.0%}" for lib, n in self_by.most_common(12)]
+
+
+# -- processes -----------------------------------------------------------------------------------
+
+
+def start_router(
+    cfg: dict[str, Any], logs: Path, server: str = "cli", name: str = "router"
+) -> Proc:
+    port = free_port()
+    path = logs / f"{name}-{port}.json"
+    path.write_text(json.dumps({**cfg, "host": "127.0.0.1", "port": port}))
+    if server == "cli":
+        argv = ["-m", "agentkv", "router", "--config", str(path), "--port", str(port)]
+        argv += ["--log-level", "warning"]
+    else:
+        argv = ["-m", "benchmarks._serve_router", server, str(path)]
+    return start_process(name, argv, port, logs)
+
+
+def start_vllm_proxy(python: str, p: str, d: str, logs: Path) -> Proc:
+    port = free_port()
+    pp, dp = p.rsplit(":", 1)[1], d.rsplit(":", 1)[1]
+    argv = [
+        str(VLLM_PROXY),
+        *("--host", "127.0.0.1", "--port", str(port)),
+        *("--prefiller-host", "127.0.0.1", "--prefiller-port", pp),
+        *("--decoder-host", "127.0.0.1", "--decoder-port", dp),
+    ]
+    return start_process("vllm-proxy", argv, port, logs, python=python)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="few requests per cell")
+    parser.add_argument("--quick", action="store_true", help="few turns per cell")
     parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--conversations", type=int, help="conversations per cell and round")
+    parser.add_argument("--wait-quiet", type=float, default=30.0, metavar="S")
+    parser.add_argument("--concurrency", type=int, action="append", help="default 1 16 64 256")
+    parser.add_argument("--plain-concurrency", type=int, action="append", help="default 64")
+    parser.add_argument("--targets", help="comma-separated subset of vllm,floor,router,exact,pd")
+    parser.add_argument("--compare", action="store_true", help="router variants (client, server)")
+    parser.add_argument("--profile", action="store_true", help="py-spy the router at c=64")
     parser.add_argument(
-        "--wait-quiet",
-        type=float,
-        default=60.0,
-        metavar="S",
-        help="wait up to S seconds for other processes to leave the CPUs (default 60)",
-    )
-    parser.add_argument("--serve-naive", type=int, metavar="PORT", help=argparse.SUPPRESS)
-    parser.add_argument("--prefill", action="append", default=[], help=argparse.SUPPRESS)
-    parser.add_argument("--decode", action="append", default=[], help=argparse.SUPPRESS)
-    parser.add_argument(
-        "--concurrency", type=int, action="append", help="concurrency levels (default 1, 64, 256)"
+        "--vllm-proxy-python",
+        default=os.environ.get("VLLM_PROXY_PYTHON", str(ROOT / ".venv-vllm-proxy/bin/python")),
+        help="python of a virtualenv with fastapi uvicorn httpx sniffio",
     )
     args = parser.parse_args()
-    if args.serve_naive:
-        serve_naive(args.serve_naive, args.prefill, args.decode)
-        return
-    concs = args.concurrency or [1, 64, 256]
-    n_by_c = {
-        c: (100 if c == 1 else 400) if args.quick else (300 if c == 1 else 2000) for c in concs
-    }
+    concs = args.concurrency or [1, 16, 64, 256]
+    plain_concs = args.plain_concurrency or [64]
 
-    import time
+    def n_conv(c: int) -> int:
+        if args.conversations:
+            return max(c, args.conversations)
+        return max(c, 8 if args.quick else 32) if c < 256 else c
 
     started = time.perf_counter()
     exit_on_sigterm()
     logs = logdir()
     sims = start_sims([["--role", "prefill", *SIM_ARGS], ["--role", "decode", *SIM_ARGS]])
     procs: list[Proc] = []
+    extra: list[str] = []
     try:
         p, d = sims
         cfg = {
@@ -468,64 +608,114 @@ def main() -> None:
             "ttl_margin_s": 10.0,
         }
         router = start_router(cfg, logs)
-        procs.append(router)
-        port = free_port()
-        argv = ["-m", "benchmarks.router_overhead", "--serve-naive", str(port)]
-        naive = start_process("naive", [*argv, "--prefill", p.url, "--decode", d.url], port, logs)
-        procs.append(naive)
-        ids = [
-            httpx.post(
-                f"{p.url}/tokenize",
-                json={"model": MODEL, "messages": chat(i)},
-                timeout=30,
-                trust_env=False,
-            ).json()["tokens"]
-            for i in range(CHATS)
-        ]
-        reqs = Requests(ids)
+        vllm = start_vllm_proxy(args.vllm_proxy_python, p.url, d.url, logs)
+        fport = free_port()
+        floor = start_process(
+            "floor", ["-m", "benchmarks._relay_floor", str(fport), p.url, d.url], fport, logs
+        )
+        procs += [router, vllm, floor]
         targets = [
-            Target("D direct", "direct", d.url, "single"),
-            Target("P then D (client)", "pd", d.url, "p_then_d"),
-            Target("naive proxy", "naive", naive.url, "router"),
-            Target("agentkv router", "router", router.url, "router"),
-            Target("agentkv router, exact ids", "exact", router.url, "exact"),
+            Target("vllm", "vLLM proxy", vllm.url, "chat", vllm.pid),
+            Target("floor", "relay floor", floor.url, "chat", floor.pid),
+            Target("router", "agentkv router (chat)", router.url, "chat", router.pid),
+            Target("exact", "agentkv router (exact ids)", router.url, "exact", router.pid),
+            Target("pd", "P then D (client)", d.url, "pd", None),
         ]
+        if args.compare:
+            variants = [
+                ("httpx", "router, httpx upstream (exact)", {"upstream_client": "httpx"}, "cli"),
+                ("h11", "router, uvicorn h11/asyncio (exact)", {}, "uvicorn-h11"),
+                ("fast", "router, uvicorn httptools/uvloop (exact)", {}, "uvicorn"),
+                ("granian", "router, granian (exact)", {}, "granian"),
+            ]
+            for key, name, over, server in variants:
+                proc = start_router({**cfg, **over}, logs, server, key)
+                procs.append(proc)
+                targets.append(Target(key, name, proc.url, "exact", proc.pid))
+        if args.targets:
+            keep = set(args.targets.split(","))
+            targets = [t for t in targets if t.key in keep]
+        tokens = Tokens(p.url, d.url)
         sim_pids = [p.process.pid, d.process.pid]
-        proxy_pid = {"naive": naive.pid, "router": router.pid, "exact": router.pid}
-        all_pids = [*sim_pids, naive.pid, router.pid]
-        quiet = wait_quiet(all_pids, max_wait_s=args.wait_quiet)
+        quiet = wait_quiet([*sim_pids, *(x.pid for x in procs)], max_wait_s=args.wait_quiet)
         print(f"load outside the benchmark: {quiet:.2f} cores", flush=True)
-        cells = []
-        for c in concs:
-            # in ROUNDS rounds, the targets in alternating order, so that load from outside
-            # the benchmark that comes and goes spreads over all of them
-            done: dict[str, Cell] = {}
-            for rnd in range(ROUNDS):
-                for t in targets if rnd % 2 == 0 else targets[::-1]:
-                    n = n_by_c[c] // ROUNDS
-                    print(f"{t.name}, concurrency {c}, round {rnd + 1}, {n} requests", flush=True)
-                    cell = measure(t, c, n, reqs, p.url, sim_pids, proxy_pid.get(t.key), rnd)
-                    r = cell.run
+        cells: list[Cell] = []
+        plan = [(STREAMED, c) for c in concs] + [(PLAIN, c) for c in plain_concs]
+        for wl, c in plan:
+            # the client's own P then D is the latency baseline at c=1 only
+            here = [t for t in targets if t.kind != "pd" or (c == 1 and wl == STREAMED)]
+            done = {t.key: Cell(t, wl, c) for t in here}
+            for rnd in range(args.rounds):
+                order = here if rnd % 2 == 0 else here[::-1]
+                for t in order:
+                    res = measure(t, wl, c, n_conv(c), rnd, tokens, sim_pids)
+                    done[t.key].rounds.append(res)
+                    st, wall, cpu, other = res
                     print(
-                        f"  {r.rps:,.0f} req/s, p50 {r.p50:.2f} ms, p99 {r.p99:.2f} ms, "
-                        f"router/proxy CPU {cell.proxy_ms:.2f} ms/req, other load "
-                        f"{cell.other_cores:.2f} cores, {len(r.failures)} failed"
-                        f"{': ' + r.failures[0] if r.failures else ''}",
+                        f"{wl.key} c={c} r{rnd} {t.name}: {len(st.latencies) / wall:,.0f} "
+                        f"turns/s, p50 {statistics.median(st.latencies) * 1000:.2f} ms, CPU "
+                        f"{cpu / max(1, len(st.latencies)) * 1000:.2f} ms/turn, other "
+                        f"{other:.2f}, {dict(st.decisions)}, {len(st.failures)} failed"
+                        f"{': ' + st.failures[0] if st.failures else ''}",
                         flush=True,
                     )
-                    done[t.key] = merge(done[t.key], cell) if t.key in done else cell
-            cells += [done[t.key] for t in targets]
+            cells += done.values()
+        if args.profile:
+            extra += profile(cfg, logs, tokens)
     finally:
         for proc in procs:
             proc.stop()
         for s in sims:
             s.stop()
-    body = report(cells, n_by_c, time.perf_counter() - started, quiet)
+    body = report(cells, args, time.perf_counter() - started, quiet, extra)
     print(body)
     if not args.no_write:
         write_section("router_overhead", body)
-    if any(c.run.failures for c in cells):
+    if any(c.failures for c in cells):
         sys.exit(1)
+
+
+def profile(cfg: dict[str, Any], logs: Path, tokens: Tokens) -> list[str]:
+    """py-spy (``record --format raw``) on a fresh router process, c=64, streamed."""
+    port = free_port()
+    path = logs / f"profiled-{port}.json"
+    path.write_text(json.dumps({**cfg, "host": "127.0.0.1", "port": port}))
+    out = logs / "router.pyspy.txt"
+    spy = str(Path(sys.executable).with_name("py-spy"))
+    argv = [spy, "record", "--format", "raw", "--rate", "200", "-o", str(out), "--"]
+    argv += [sys.executable, "-m", "agentkv", "router", "--config", str(path), "--port", str(port)]
+    argv += ["--log-level", "warning"]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/health", timeout=1, trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        results = []
+        for kind, name in (("exact", "exact ids"), ("chat", "chat")):
+            t = Target("prof", name, url, kind, None)
+            asyncio.run(drive(t, STREAMED, 64, 128, f"prof-{kind}-{os.getpid()}", tokens))
+            results.append(name)
+    finally:
+        proc.send_signal(2)  # py-spy writes its file on SIGINT
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    if not out.exists():
+        return ["", "py-spy wrote no profile (ptrace not permitted?)."]
+    return [
+        "",
+        "Where the router's CPU goes (py-spy, `record --format raw` at 200 Hz on a fresh",
+        "router process, c=64, streamed, 128 conversations in exact-ids then chat mode; self",
+        "time of the innermost Python frame, by library): "
+        + ", ".join(summarize_profile(out))
+        + ".",
+    ]
 
 
 if __name__ == "__main__":

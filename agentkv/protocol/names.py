@@ -21,6 +21,7 @@ __all__ = [
     "DECISIONS",
     "HEADER_CONVERSATION_ID",
     "HEADER_DECISION",
+    "HEADER_ECHO_PROMPT_TOKEN_IDS",
     "HEADER_EPOCH",
     "HEADER_ESTIMATED",
     "HEADER_LEASE",
@@ -44,6 +45,10 @@ HEADER_EPOCH: Final = "X-AgentKV-Epoch"
 """Integer history epoch; the client bumps it when it rewrites history."""
 HEADER_REQUEST_ID: Final = "X-Request-Id"
 """vLLM uses it as the base of its internal request id (it appends ``-<8 hex>``)."""
+HEADER_ECHO_PROMPT_TOKEN_IDS: Final = "X-AgentKV-Echo-Prompt-Token-Ids"
+"""``1``: keep the engine's echo of ``prompt_token_ids`` in the response even when the client
+sent them (``kv_transfer_params.prompt_token_ids``); by default the router strips it, since the
+client has them (128k ids are ~700 kB of JSON to decode)."""
 HEADER_DECISION: Final = "X-AgentKV-Decision"
 HEADER_REUSED_TOKENS: Final = "X-AgentKV-Reused-Tokens"
 """M = max(0, min(C, N) − L): the prompt tokens P reads from D's blocks this turn."""

@@ -29,6 +29,7 @@ from starlette.routing import Route
 from agentkv.protocol import error_body
 from agentkv.router.config import RouterConfig
 from agentkv.router.guard import GuardedStore
+from agentkv.router.http import TransportError
 from agentkv.router.kv_index import KVEventSubscriber, PrefixIndex
 from agentkv.router.leases import MemoryLeases, RedisLeases
 from agentkv.router.logs import safe
@@ -96,7 +97,8 @@ def create_app(
     Args:
         config: backends and policies.
         store: where handles live (default: from ``config.store``).
-        transport: an httpx transport for all upstream calls (tests).
+        transport: an httpx transport for all upstream calls (tests: engines in-process); the
+            router then uses httpx instead of aiohttp.
     """
     pool = EnginePool(config, transport=transport)
     metrics = RouterMetrics()
@@ -174,10 +176,8 @@ def create_app(
             raw = await read_body(request, config.max_body_bytes)
             for engine in [e for e in pool.prefill if e.healthy] or pool.prefill:
                 try:
-                    r = await engine.client.post(
-                        path, content=raw, headers={"content-type": "application/json"}
-                    )
-                except httpx.HTTPError:
+                    r = await engine.client.post(path, raw)
+                except TransportError:
                     engine.failed(config.eject_after_failures)
                     continue
                 return Response(r.content, status_code=r.status_code, media_type="application/json")
@@ -190,7 +190,7 @@ def create_app(
         for engine in [e for e in pool.decode if e.healthy] or pool.decode:
             try:
                 r = await engine.client.get("/v1/models", timeout=10)
-            except httpx.HTTPError:
+            except TransportError:
                 continue
             if r.status_code == 200:
                 return Response(r.content, media_type="application/json")

@@ -97,6 +97,14 @@ class RouterConfig(BaseModel):
     prefill_deadline_s: float = Field(30.0, gt=0)
     """A P request carrying a handle that has not answered by then is retried without it."""
     request_timeout_s: float = Field(600.0, gt=0)
+    upstream_client: Literal["aiohttp", "httpx"] = "aiohttp"
+    """The HTTP client to the engines (aiohttp: its pool costs the same at any size; httpx is
+    for injected test transports and comparisons)."""
+    upstream_max_connections: int = Field(256, ge=1)
+    """Connections per engine, at most (requests beyond wait for one)."""
+    upstream_keepalive_s: float = Field(4.0, gt=0)
+    """Idle connections to an engine are closed after this (below the engines' own keep-alive
+    timeout, uvicorn's 5 s, so the router never sends on a connection the engine is closing)."""
     retries: int = Field(2, ge=0)
     """Extra attempts on another instance when P (or D, before its first byte) fails."""
     health_interval_s: float = Field(2.0, gt=0)

@@ -31,11 +31,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-import httpx
 import orjson
 from opentelemetry import trace
 from pydantic import ValidationError
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from agentkv.protocol import (
     HEADER_DECISION,
@@ -50,13 +49,14 @@ from agentkv.protocol import (
 )
 from agentkv.router.config import RouterConfig
 from agentkv.router.guard import GuardedStore
+from agentkv.router.http import Timeout, TransportError
 from agentkv.router.leases import Leases, MemoryLeases
 from agentkv.router.logs import safe
 from agentkv.router.metrics import RouterMetrics
 from agentkv.router.relay import Relay, StreamOutcome
 from agentkv.router.request import ClientRequest, RouterError
 from agentkv.router.retention import Retention
-from agentkv.router.sse import Captured, clean_response, synthesize_stream
+from agentkv.router.sse import Captured, ORJSONResponse, clean_response, synthesize_stream
 from agentkv.router.store import StoredHandle, StoreKey
 from agentkv.router.tracing import trace_headers
 from agentkv.router.upstream import Engine, EnginePool, pick_decode, pick_prefill
@@ -232,9 +232,9 @@ class Router:
                 return
             try:
                 r = await engine.client.post(
-                    "/v1/completions", json=body, timeout=self.config.prefill_deadline_s
+                    "/v1/completions", body, timeout=self.config.prefill_deadline_s
                 )
-            except httpx.HTTPError:
+            except TransportError:
                 self.metrics.upstream_errors.labels("prefill", "release").inc()
                 continue
             if r.status_code == 200:
@@ -278,10 +278,11 @@ class Router:
                 body["prompt"] = body["prompt"][0]
         last: Exception | None = None
         tries = [candidates[i % len(candidates)] for i in range(self.config.retries + 1)]
+        data = orjson.dumps(body)
         for engine in tries:
             try:
-                r = await engine.client.post("/tokenize", json=body)
-            except httpx.HTTPError as exc:
+                r = await engine.client.post("/tokenize", data)
+            except TransportError as exc:
                 engine.failed(self.config.eject_after_failures)
                 self.metrics.upstream_errors.labels("prefill", "tokenize").inc()
                 last = exc
@@ -374,9 +375,9 @@ class Router:
             started = time.perf_counter()
             try:
                 r = await engine.client.post(
-                    "/v1/completions", json=body, timeout=timeout, headers=trace_headers()
+                    "/v1/completions", body, timeout=timeout, headers=trace_headers()
                 )
-            except httpx.TimeoutException:
+            except Timeout:
                 self.metrics.upstream_errors.labels("prefill", "timeout").inc()
                 if reads:
                     log.warning(
@@ -388,7 +389,7 @@ class Router:
                     engine.failed(cfg.eject_after_failures)
                 self._lost(at, "deadline")
                 continue
-            except httpx.HTTPError:
+            except TransportError:
                 # never reached P (or P died): the handle is unread, keep it attached elsewhere
                 self.metrics.upstream_errors.labels("prefill", "connect").inc()
                 engine.failed(cfg.eject_after_failures)
@@ -593,15 +594,9 @@ class Router:
         t0 = time.perf_counter()
         first_byte = self.config.decode_first_byte_timeout_s if relay else None
         try:
-            request = engine.client.build_request(
-                "POST",
-                req.path,
-                content=orjson.dumps(body),
-                headers={"content-type": "application/json", **trace_headers()},
-            )
-            send = engine.client.send(request, stream=True)
+            send = engine.client.stream(req.path, body, trace_headers())
             upstream = await (asyncio.wait_for(send, first_byte) if first_byte else send)
-        except (httpx.HTTPError, asyncio.TimeoutError) as exc:
+        except (TransportError, asyncio.TimeoutError) as exc:
             engine.outstanding_requests -= 1
             kind = "first_byte" if isinstance(exc, asyncio.TimeoutError) else "connect"
             if kind == "first_byte":
@@ -626,14 +621,16 @@ class Router:
         if not relay:
             try:
                 data = orjson.loads(await upstream.aread())
-            except (httpx.HTTPError, orjson.JSONDecodeError):
+            except (TransportError, orjson.JSONDecodeError):
                 engine.failed(self.config.eject_after_failures)
                 raise _BeforeFirstByte() from None
             finally:
                 await upstream.aclose()
                 engine.outstanding_requests -= 1
             engine.ok()
-            captured = clean_response(data, keep_ids=req.wants_token_ids)
+            captured = clean_response(
+                data, keep_ids=req.wants_token_ids, keep_prompt_ids=req.wants_prompt_ids
+            )
             await self._remember(req, key, ids, captured, engine)
             self.metrics.turn_seconds.labels(pre.receipt.decision).observe(
                 time.perf_counter() - started
@@ -646,7 +643,7 @@ class Router:
                 return StreamingResponse(
                     _iterate(chunks), media_type="text/event-stream", headers=headers
                 )
-            return JSONResponse(data, headers=headers)
+            return ORJSONResponse(data, headers=headers)
         engine.ok()
 
         async def on_handle(captured: Captured) -> None:
@@ -668,7 +665,11 @@ class Router:
                 )
 
         stream = self.relay.stream(
-            upstream, keep_ids=req.wants_token_ids, on_handle=on_handle, on_end=on_end
+            upstream,
+            keep_ids=req.wants_token_ids,
+            keep_prompt_ids=req.wants_prompt_ids,
+            on_handle=on_handle,
+            on_end=on_end,
         )
         return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
 

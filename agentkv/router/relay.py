@@ -5,6 +5,10 @@ queue. When the client hangs up, the response stops but the reader goes on (boun
 in how many run at once) so D finishes the turn and its new handle is stored: a resent turn then
 pulls. When D dies mid-stream the client gets an SSE error event in OpenAI's shape and a clean
 end instead of a broken chunked body.
+
+What one read from D returned is cleaned as one block (:class:`~agentkv.router.sse.EventRelay`:
+only the events that carry the handle, a ``finish_reason`` or ``usage`` are parsed) and goes to
+the client in one write.
 """
 
 from __future__ import annotations
@@ -15,11 +19,9 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-import httpx
-import orjson
-
 from agentkv.protocol import error_body
-from agentkv.router.sse import Captured, rewrite_chunk, sse
+from agentkv.router.http import StreamReply, TransportError
+from agentkv.router.sse import Captured, EventRelay, sse
 
 __all__ = ["Relay", "StreamOutcome"]
 
@@ -59,17 +61,24 @@ class Relay:
 
     def stream(
         self,
-        upstream: httpx.Response,
+        upstream: StreamReply,
         *,
         keep_ids: bool,
         on_handle: Callable[[Captured], Awaitable[None]],
         on_end: Callable[[StreamOutcome], None],
+        keep_prompt_ids: bool | None = None,
     ) -> AsyncIterator[bytes]:
-        """The client's SSE bytes; D is read by a task of its own."""
+        """The client's SSE bytes; D is read by a task of its own. ``keep_prompt_ids`` (default
+        ``keep_ids``): pass D's echo of the prompt's ids."""
         queue: asyncio.Queue[bytes | None] = asyncio.Queue()
         outcome = StreamOutcome()
+        events = EventRelay(
+            Captured(),
+            keep_ids=keep_ids,
+            keep_prompt_ids=keep_ids if keep_prompt_ids is None else keep_prompt_ids,
+        )
         task = asyncio.ensure_future(
-            self._read(upstream, queue, outcome, keep_ids=keep_ids, on_handle=on_handle)
+            self._read(upstream, queue, outcome, events, on_handle=on_handle)
         )
         self._tasks.add(task)
 
@@ -97,18 +106,18 @@ class Relay:
 
     async def _read(
         self,
-        upstream: httpx.Response,
+        upstream: StreamReply,
         queue: asyncio.Queue[bytes | None],
         outcome: StreamOutcome,
+        events: EventRelay,
         *,
-        keep_ids: bool,
         on_handle: Callable[[Captured], Awaitable[None]],
     ) -> None:
-        captured = Captured()
+        captured = events.captured
         remembered = False
         draining_since: float | None = None
         try:
-            async for line in upstream.aiter_lines():
+            async for data in upstream.aiter_raw():
                 if outcome.abandoned and draining_since is None:
                     draining_since = time.monotonic()
                     self.draining += 1
@@ -119,27 +128,24 @@ class Relay:
                         "gave up draining an abandoned stream after %.0f s", self.drain_timeout_s
                     )
                     return
-                if not line.startswith("data: "):
-                    continue
-                payload = line[6:]
-                if payload.strip() == "[DONE]":
-                    outcome.done = True
-                    queue.put_nowait(_DONE)
-                    continue
-                try:
-                    chunk = orjson.loads(payload)
-                except orjson.JSONDecodeError:
-                    continue
-                out = sse(rewrite_chunk(chunk, captured, keep_ids=keep_ids))
+                out = events.feed(data)
+                outcome.done = events.done
                 if captured.handle is not None and not remembered:
                     # D's handle comes on the finish_reason chunk, with the last token: store it
                     # before the client sees the end and can send its next turn
                     remembered = True
                     await on_handle(captured)
-                if not outcome.abandoned:
-                    queue.put_nowait(out)
+                if out and not outcome.abandoned:
+                    queue.put_nowait(out)  # what arrived together goes out in one write
+            out = events.close()
+            if captured.handle is not None and not remembered:
+                remembered = True
+                await on_handle(captured)
+            if out and not outcome.abandoned:
+                queue.put_nowait(out)
+            outcome.done = events.done
             outcome.drained = outcome.abandoned
-        except httpx.HTTPError as exc:
+        except TransportError as exc:
             outcome.failed = True
             log.warning("decode stream broke: %s", type(exc).__name__)
             message = "The decode instance's stream broke before the end of the answer."

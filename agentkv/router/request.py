@@ -6,7 +6,6 @@ stored handle: OpenAI's error shape, 4xx, and no state change.
 
 from __future__ import annotations
 
-import copy
 import functools
 import hashlib
 import hmac
@@ -26,6 +25,7 @@ from agentkv.protocol import (
     BODY_PROMPT_TOKEN_IDS,
     BODY_SESSION_ID,
     HEADER_CONVERSATION_ID,
+    HEADER_ECHO_PROMPT_TOKEN_IDS,
     HEADER_EPOCH,
     HEADER_LEASE,
     HEADER_SESSION_ID,
@@ -161,6 +161,9 @@ class ClientRequest:
     """Exact prompt ids when the client sent them."""
     lease_s: float | None = None
     """``X-AgentKV-Lease``: keep the conversation's handles while the agent lives."""
+    echo_prompt_ids: bool = False
+    """The client asked (``X-AgentKV-Echo-Prompt-Token-Ids: 1``) for the echo of the prompt ids
+    it sent."""
 
     @property
     def stream(self) -> bool:
@@ -171,11 +174,22 @@ class ClientRequest:
         return bool(self.body.get("return_token_ids"))
 
     @property
+    def wants_prompt_ids(self) -> bool:
+        """Whether the response keeps ``prompt_token_ids``: the client asked for token ids and
+        did not send the prompt's itself (``kv_transfer_params.prompt_token_ids``), unless it
+        asked for the echo explicitly."""
+        if not self.wants_token_ids:
+            return False
+        return self.echo_prompt_ids or not (self.chat and self.prompt_ids is not None)
+
+    @property
     def path(self) -> str:
         return "/v1/chat/completions" if self.chat else "/v1/completions"
 
     def copy_body(self) -> dict[str, Any]:
-        return copy.deepcopy(self.body)
+        """A copy to set top-level fields on (shallow: the messages of a long history are not
+        copied on every turn; nested values must not be changed in place)."""
+        return dict(self.body)
 
 
 def bearer(authorization: str | None) -> str:
@@ -342,6 +356,8 @@ def parse_request(
         epoch=epoch,
         prompt_ids=prompt_ids,
         lease_s=lease_seconds(headers.get(HEADER_LEASE.lower())),
+        echo_prompt_ids=headers.get(HEADER_ECHO_PROMPT_TOKEN_IDS.lower(), "").lower()
+        in ("1", "true", "yes"),
     )
 
 

@@ -18,11 +18,10 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
-import httpx
-
 from agentkv.protocol import Metric
 from agentkv.router.config import RouterConfig
 from agentkv.router.guard import GuardedStore
+from agentkv.router.http import TransportError
 from agentkv.router.leases import Leases
 from agentkv.router.metrics import RouterMetrics
 from agentkv.router.store import StoredHandle, StoreKey
@@ -110,7 +109,7 @@ class Retention:
         """One pressure check of one D; how many handles were released."""
         try:
             r = await engine.health.get("/metrics", timeout=5)
-        except httpx.HTTPError:
+        except TransportError:
             return 0
         usage = kv_usage(r.text) if r.status_code == 200 else None
         watermark = self.config.kv_pressure_watermark

@@ -1,19 +1,54 @@
 """Relaying D's answer to the client: SSE chunks as they come, with internal fields removed.
 
 D's transfer handle never reaches a client, and the token ids the router asks D for are only
-passed on when the client asked for them. A backend that puts no handle on streams (vLLM 0.32)
-is read without streaming and its answer re-streamed in vLLM's chunk format.
+passed on when the client asked for them (the prompt's not when the client sent them itself).
+A backend that puts no handle on streams (vLLM 0.32) is read without streaming and its answer
+re-streamed in vLLM's chunk format.
+
+:class:`EventRelay` is the streamed path. It works on what one read from D returned (usually
+several events) and parses only what the router needs: vLLM 0.33 puts the handle
+(``kv_transfer_params``), ``finish_reason`` and ``usage`` on the last chunks only, with ``null``
+on the others, so a block of events in which none of them is set is passed through as D's bytes,
+with the token-id lists read (and replaced by ``null`` when the client must not see them) by one
+regular expression. Events that carry a value are parsed and rewritten as before. The block goes
+to the client in one write.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+from starlette.responses import Response
 
-__all__ = ["Captured", "clean_response", "rewrite_chunk", "sse", "synthesize_stream"]
+__all__ = [
+    "Captured",
+    "EventRelay",
+    "ORJSONResponse",
+    "clean_response",
+    "rewrite_chunk",
+    "sse",
+    "synthesize_stream",
+]
+
+_SET = re.compile(rb'"(?:kv_transfer_params|finish_reason|usage)"\s*:\s*[^n\s]')
+"""A field the router must read is set (not ``null``) in this event. A match inside a string
+value is impossible (its quotes would be escaped); a spurious one only costs a parse."""
+_IDS = re.compile(rb'([{,]\s*)"((?:prompt_)?token_ids)"(\s*:\s*)(\[[^\]]*\])')
+"""A token-id list, at any depth (vLLM puts them on the chunk and on its choices)."""
+_DONE = b"data: [DONE]"
+
+
+class ORJSONResponse(Response):
+    """A JSON response encoded by orjson (Starlette's ``JSONResponse`` uses stdlib json)."""
+
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content)
 
 
 def sse(data: dict[str, Any] | str) -> bytes:
@@ -31,20 +66,25 @@ class Captured:
     usage: dict[str, Any] | None = None
 
 
-def _strip(obj: dict[str, Any], keep_ids: bool) -> None:
+def _strip(obj: dict[str, Any], keep_ids: bool, keep_prompt_ids: bool) -> None:
     if "kv_transfer_params" in obj:
         obj["kv_transfer_params"] = None
-    if not keep_ids:
-        if "prompt_token_ids" in obj:
-            obj["prompt_token_ids"] = None
-        for choice in obj.get("choices") or []:
-            if "token_ids" in choice:
-                choice["token_ids"] = None
-            if "prompt_token_ids" in choice:
-                choice["prompt_token_ids"] = None
+    if not keep_prompt_ids and "prompt_token_ids" in obj:
+        obj["prompt_token_ids"] = None
+    for choice in obj.get("choices") or []:
+        if not keep_ids and "token_ids" in choice:
+            choice["token_ids"] = None
+        if not keep_prompt_ids and "prompt_token_ids" in choice:
+            choice["prompt_token_ids"] = None
 
 
-def rewrite_chunk(chunk: dict[str, Any], captured: Captured, *, keep_ids: bool) -> dict[str, Any]:
+def rewrite_chunk(
+    chunk: dict[str, Any],
+    captured: Captured,
+    *,
+    keep_ids: bool,
+    keep_prompt_ids: bool | None = None,
+) -> dict[str, Any]:
     """Record what a streamed chunk carries, then remove what the client must not see."""
     if chunk.get("kv_transfer_params"):
         captured.handle = chunk["kv_transfer_params"]
@@ -55,19 +95,105 @@ def rewrite_chunk(chunk: dict[str, Any], captured: Captured, *, keep_ids: bool) 
             captured.output_ids.extend(choice["token_ids"])
         if choice.get("finish_reason"):
             captured.finish_reason = choice["finish_reason"]
-    _strip(chunk, keep_ids)
+    _strip(chunk, keep_ids, keep_ids if keep_prompt_ids is None else keep_prompt_ids)
     return chunk
 
 
-def clean_response(body: dict[str, Any], *, keep_ids: bool) -> Captured:
-    """Capture a non-streamed answer's handle and ids, and strip them for the client."""
+def clean_response(
+    body: dict[str, Any], *, keep_ids: bool, keep_prompt_ids: bool | None = None
+) -> Captured:
+    """Capture a non-streamed answer's handle and ids, and strip them for the client
+    (``keep_prompt_ids`` defaults to ``keep_ids``)."""
     captured = Captured(handle=body.get("kv_transfer_params"), usage=body.get("usage"))
     choices = body.get("choices") or []
     if choices:
         captured.output_ids = list(choices[0].get("token_ids") or [])
         captured.finish_reason = choices[0].get("finish_reason")
-    _strip(body, keep_ids)
+    _strip(body, keep_ids, keep_ids if keep_prompt_ids is None else keep_prompt_ids)
     return captured
+
+
+class EventRelay:
+    """D's SSE bytes in, the client's out, :class:`Captured` filled on the way.
+
+    ``feed`` takes what one read returned and gives back the bytes of the complete events in
+    it, cleaned (empty while an event is incomplete); ``close`` what is left at the end. The
+    handle is captured before the bytes of its event are returned, so the router can store it
+    before the client sees the end of the turn."""
+
+    def __init__(self, captured: Captured, *, keep_ids: bool, keep_prompt_ids: bool) -> None:
+        self.captured = captured
+        self.keep_ids, self.keep_prompt_ids = keep_ids, keep_prompt_ids
+        self.done = False
+        self._pending = b""
+
+    def feed(self, data: bytes) -> bytes:
+        if b"\r" in data:
+            data = data.replace(b"\r\n", b"\n")
+        buf = self._pending + data if self._pending else data
+        end = buf.rfind(b"\n\n")
+        if end < 0:
+            self._pending = buf
+            return b""
+        self._pending = buf[end + 2 :]
+        return self._block(buf[: end + 2])
+
+    def close(self) -> bytes:
+        rest, self._pending = self._pending, b""
+        return self._block(rest + b"\n\n") if rest.strip() else b""
+
+    def _block(self, block: bytes) -> bytes:
+        if _DONE in block:
+            self.done = True
+        if _SET.search(block) is None:
+            return self._ids(block)
+        # some event carries the handle, a finish_reason or usage: those are parsed
+        out = []
+        for event in block.split(b"\n\n"):
+            if not event:
+                continue
+            if _SET.search(event) is None:
+                out.append(self._ids(event) + b"\n\n")
+                continue
+            for line in event.split(b"\n"):
+                if not line.startswith(b"data: "):
+                    continue
+                try:
+                    chunk = orjson.loads(line[6:])
+                except orjson.JSONDecodeError:
+                    continue
+                if isinstance(chunk, dict):
+                    rewrite_chunk(
+                        chunk,
+                        self.captured,
+                        keep_ids=self.keep_ids,
+                        keep_prompt_ids=self.keep_prompt_ids,
+                    )
+                    out.append(sse(chunk))
+        return b"".join(out)
+
+    def _ids(self, block: bytes) -> bytes:
+        """Read the output ids of events that need no parse; null the lists the client must
+        not see."""
+        if b"token_ids" not in block:
+            return block
+        ids = self.captured.output_ids
+        strip = False
+        for m in _IDS.finditer(block):
+            if m.group(2) == b"token_ids":
+                ids.extend(orjson.loads(m.group(4)))
+                strip = strip or not self.keep_ids
+            else:
+                strip = strip or not self.keep_prompt_ids
+        if not strip:
+            return block
+        return _IDS.sub(self._null, block)
+
+    def _null(self, m: re.Match[bytes]) -> bytes:
+        keep = self.keep_ids if m.group(2) == b"token_ids" else self.keep_prompt_ids
+        if keep:
+            return m.group(0)
+        return m.group(1) + b'"' + m.group(2) + b'"' + m.group(3) + b"null"
 
 
 def synthesize_stream(body: dict[str, Any], *, chat: bool, include_usage: bool) -> Iterator[bytes]:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from agentkv.router.config import Backend, RouterConfig
+from agentkv.router.http import AiohttpClient, EngineClient, HttpxClient, TransportError
 
 __all__ = ["Engine", "EnginePool", "pick_decode", "pick_prefill"]
 
@@ -33,8 +34,10 @@ class Engine:
 
     role: str
     backend: Backend
-    client: httpx.AsyncClient
-    health: httpx.AsyncClient
+    client: EngineClient
+    """Requests: one bounded keep-alive pool (:mod:`agentkv.router.http`)."""
+    health: EngineClient
+    """Health checks, on their own connection, so they never queue behind requests."""
     healthy: bool = True
     failures: int = 0
     outstanding_tokens: int = 0
@@ -103,24 +106,34 @@ class EnginePool:
         self, config: RouterConfig, *, transport: httpx.AsyncBaseTransport | None = None
     ) -> None:
         self.config = config
-        timeout = httpx.Timeout(config.request_timeout_s, connect=5.0)
-        # keep-alive shorter than the engines' (uvicorn's 5 s), so the router never reuses a
-        # connection the engine is closing; as many idle connections as pooled ones
-        limits = httpx.Limits(
-            max_connections=256, max_keepalive_connections=256, keepalive_expiry=4.0
-        )
 
-        def client(b: Backend) -> httpx.AsyncClient:
-            return httpx.AsyncClient(
-                base_url=b.url, timeout=timeout, transport=transport, trust_env=False, limits=limits
+        def client(b: Backend, *, health: bool = False) -> EngineClient:
+            # keep-alive shorter than the engines' (uvicorn's 5 s), so the router never reuses a
+            # connection the engine is closing
+            size = 2 if health else config.upstream_max_connections
+            timeout = 10.0 if health else config.request_timeout_s
+            if transport is not None or config.upstream_client == "httpx":
+                return HttpxClient(
+                    b.url,
+                    timeout_s=timeout,
+                    max_connections=size,
+                    max_keepalive=min(size, 20),
+                    keepalive_s=config.upstream_keepalive_s,
+                    transport=transport,
+                )
+            return AiohttpClient(
+                b.url,
+                timeout_s=timeout,
+                max_connections=size,
+                keepalive_s=config.upstream_keepalive_s,
             )
 
-        def health_client(b: Backend) -> httpx.AsyncClient:
-            # health checks never queue behind requests in the request pool
-            return httpx.AsyncClient(base_url=b.url, transport=transport, trust_env=False)
-
-        self.prefill = [Engine("prefill", b, client(b), health_client(b)) for b in config.prefill]
-        self.decode = [Engine("decode", b, client(b), health_client(b)) for b in config.decode]
+        self.prefill = [
+            Engine("prefill", b, client(b), client(b, health=True)) for b in config.prefill
+        ]
+        self.decode = [
+            Engine("decode", b, client(b), client(b, health=True)) for b in config.decode
+        ]
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
@@ -132,11 +145,11 @@ class EnginePool:
 
     async def check(self, engine: Engine) -> bool:
         try:
-            r = await engine.client.get(
+            r = await engine.health.get(
                 "/health", timeout=min(5.0, self.config.health_interval_s * 2)
             )
             good = r.status_code == 200
-        except httpx.HTTPError:
+        except TransportError:
             good = False
         if good:
             engine.ok()

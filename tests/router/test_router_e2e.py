@@ -356,3 +356,43 @@ def test_a_handle_p_could_not_use_is_released(pd):
         while pd.retained(pd.decode[0]) > held and time.monotonic() < deadline:
             time.sleep(0.05)
         assert pd.retained(pd.decode[0]) == held  # the old handle released, the new one held
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_exact_ids_are_not_echoed_unless_asked(pd, stream):
+    """The client sent the prompt's ids: the router drops D's echo of them (the SDK has them),
+    keeps the output ids it asked for, and echoes the prompt only on the explicit header."""
+    with httpx.Client(base_url=pd.router.url, timeout=30) as h:
+        messages = [{"role": "user", "content": "count " * 40}]
+        ids = h.post("/tokenize", json={"model": "agentkv-sim", "messages": messages}).json()
+        body = {
+            "model": "agentkv-sim",
+            "messages": messages,
+            "max_tokens": 12,
+            "stream": stream,
+            "return_token_ids": True,
+            "kv_transfer_params": {"prompt_token_ids": ids["tokens"]},
+        }
+
+        def chunks(r: httpx.Response) -> list[dict]:
+            if not stream:
+                return [r.json()]
+            return [
+                httpx.Response(200, content=line[6:]).json()
+                for line in r.text.split("\n\n")
+                if line.startswith("data: {")
+            ]
+
+        plain = chunks(h.post("/v1/chat/completions", json=body))
+        assert all(c.get("prompt_token_ids") is None for c in plain)
+        assert all(c.get("kv_transfer_params") is None for c in plain)
+        out = [t for c in plain for ch in c["choices"] for t in ch.get("token_ids") or []]
+        assert len(out) == 12
+        echoed = chunks(
+            h.post(
+                "/v1/chat/completions",
+                json=body,
+                headers={"X-AgentKV-Echo-Prompt-Token-Ids": "1"},
+            )
+        )
+        assert echoed[0]["prompt_token_ids"] == ids["tokens"]

@@ -1,0 +1,368 @@
+"""The router's HTTP client to one engine: one bounded keep-alive pool, bodies encoded once.
+
+Two implementations of one small interface (:class:`EngineClient`):
+
+* :class:`AiohttpClient` (the default): aiohttp's C-accelerated client. Its pool hands out an
+  idle connection in O(1) whatever its size, where httpcore's walks every pooled connection
+  (``has_expired()``, a socket poll each) on every request and every release, so the router's
+  CPU per turn grew with concurrency (docs/benchmarks.md, "Router data plane").
+* :class:`HttpxClient`: httpx, for an injected ``httpx.AsyncBaseTransport`` (tests that run the
+  engines in-process) and as the measured alternative.
+
+Both take request bodies as ``dict`` (encoded once with orjson) or ``bytes``, and raise only
+:class:`TransportError` (connection failed or dropped) and its subclass :class:`Timeout`.
+Replies keep httpx's attribute names (``status_code``, ``headers``, ``content``, ``json()``,
+``aread()``, ``aclose()``), so the orchestration reads the same over either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, Protocol
+
+import aiohttp
+import httpx
+import orjson
+
+__all__ = [
+    "AiohttpClient",
+    "EngineClient",
+    "HttpxClient",
+    "Reply",
+    "StreamReply",
+    "Timeout",
+    "TransportError",
+    "encode",
+]
+
+_JSON = {"content-type": "application/json"}
+
+
+class TransportError(Exception):
+    """The engine could not be reached, or dropped the connection."""
+
+
+class Timeout(TransportError):
+    """The engine did not answer in time."""
+
+
+def encode(body: Mapping[str, Any] | bytes) -> bytes:
+    return body if isinstance(body, bytes) else orjson.dumps(body)
+
+
+def _headers(data: bytes | None, extra: Mapping[str, str] | None) -> Mapping[str, str] | None:
+    """The request's headers: JSON's content type with a body, and any extra (trace context)."""
+    if not extra:
+        return _JSON if data is not None else None
+    return {**_JSON, **extra} if data is not None else dict(extra)
+
+
+class Reply:
+    """A whole response."""
+
+    __slots__ = ("content", "headers", "status_code")
+
+    def __init__(self, status_code: int, headers: Mapping[str, str], content: bytes) -> None:
+        self.status_code, self.headers, self.content = status_code, headers, content
+
+    def json(self) -> Any:
+        return orjson.loads(self.content)
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", "replace")
+
+
+class StreamReply(Protocol):
+    """A response whose body has not been read yet."""
+
+    @property
+    def status_code(self) -> int: ...
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+    async def aread(self) -> bytes: ...
+
+    def aiter_raw(self) -> AsyncIterator[bytes]:
+        """The body as it arrives: each item is what one read returned (several SSE events
+        when they arrived together)."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+class EngineClient(Protocol):
+    async def post(
+        self,
+        path: str,
+        body: Mapping[str, Any] | bytes,
+        *,
+        timeout: float | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> Reply: ...
+
+    async def get(self, path: str, *, timeout: float | None = None) -> Reply: ...
+
+    async def stream(
+        self, path: str, body: Mapping[str, Any] | bytes, headers: Mapping[str, str] | None = None
+    ) -> StreamReply: ...
+
+    async def aclose(self) -> None: ...
+
+
+# -- aiohttp ---------------------------------------------------------------------------------
+
+
+class _AiohttpStream:
+    __slots__ = ("_response",)
+
+    def __init__(self, response: aiohttp.ClientResponse) -> None:
+        self._response = response
+
+    @property
+    def status_code(self) -> int:
+        return self._response.status
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        return self._response.headers
+
+    async def aread(self) -> bytes:
+        try:
+            return await self._response.read()
+        except asyncio.TimeoutError as exc:
+            raise Timeout(repr(exc)) from exc
+        except aiohttp.ClientError as exc:
+            raise TransportError(repr(exc)) from exc
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        content = self._response.content
+        try:
+            while True:
+                data = await content.readany()
+                if not data:
+                    return
+                yield data
+        except asyncio.TimeoutError as exc:
+            raise Timeout(repr(exc)) from exc
+        except aiohttp.ClientError as exc:
+            raise TransportError(repr(exc)) from exc
+
+    async def aclose(self) -> None:
+        self._response.release()
+
+
+class AiohttpClient:
+    """One engine over aiohttp: a pool of at most ``max_connections`` connections, idle ones
+    closed after ``keepalive_s`` (shorter than the engine's own keep-alive timeout, so the router
+    never sends on a connection the engine is closing)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout_s: float,
+        connect_timeout_s: float = 5.0,
+        max_connections: int = 256,
+        keepalive_s: float = 4.0,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._timeout_s, self._connect_s = timeout_s, connect_timeout_s
+        self._max, self._keepalive = max_connections, keepalive_s
+        self._session: aiohttp.ClientSession | None = None
+
+    def _open(self) -> aiohttp.ClientSession:
+        # created on first use, inside the running loop (aiohttp binds a session to its loop)
+        if self._session is None:
+            connector = aiohttp.TCPConnector(
+                limit=self._max, limit_per_host=0, keepalive_timeout=self._keepalive
+            )
+            self._session = aiohttp.ClientSession(
+                base_url=self.base_url,
+                connector=connector,
+                timeout=aiohttp.ClientTimeout(
+                    total=None, connect=self._connect_s, sock_read=self._timeout_s
+                ),
+                auto_decompress=False,
+                trust_env=False,
+                skip_auto_headers=("User-Agent",),
+            )
+        return self._session
+
+    def _timeout(self, timeout: float | None) -> aiohttp.ClientTimeout | None:
+        if timeout is None:
+            return None  # the session's
+        return aiohttp.ClientTimeout(total=timeout, connect=min(self._connect_s, timeout))
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        data: bytes | None,
+        timeout: float | None,
+        headers: Mapping[str, str] | None = None,
+    ) -> Reply:
+        session = self._open()
+        kwargs: dict[str, Any] = {}
+        if timeout is not None:
+            kwargs["timeout"] = self._timeout(timeout)
+        try:
+            async with session.request(
+                method, path, data=data, headers=_headers(data, headers), **kwargs
+            ) as r:
+                content = await r.read()
+                return Reply(r.status, r.headers, content)
+        except asyncio.TimeoutError as exc:
+            raise Timeout(f"{method} {self.base_url}{path}: timed out") from exc
+        except aiohttp.ClientError as exc:
+            raise TransportError(f"{method} {self.base_url}{path}: {exc!r}") from exc
+
+    async def post(
+        self,
+        path: str,
+        body: Mapping[str, Any] | bytes,
+        *,
+        timeout: float | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> Reply:
+        return await self._request("POST", path, encode(body), timeout, headers)
+
+    async def get(self, path: str, *, timeout: float | None = None) -> Reply:
+        return await self._request("GET", path, None, timeout)
+
+    async def stream(
+        self, path: str, body: Mapping[str, Any] | bytes, headers: Mapping[str, str] | None = None
+    ) -> StreamReply:
+        session = self._open()
+        try:
+            r = await session.request(
+                "POST", path, data=encode(body), headers=_headers(b"", headers)
+            )
+        except asyncio.TimeoutError as exc:
+            raise Timeout(f"POST {self.base_url}{path}: timed out") from exc
+        except aiohttp.ClientError as exc:
+            raise TransportError(f"POST {self.base_url}{path}: {exc!r}") from exc
+        return _AiohttpStream(r)
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+# -- httpx -----------------------------------------------------------------------------------
+
+
+class _HttpxStream:
+    __slots__ = ("_response",)
+
+    def __init__(self, response: httpx.Response) -> None:
+        self._response = response
+
+    @property
+    def status_code(self) -> int:
+        return self._response.status_code
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        return self._response.headers
+
+    async def aread(self) -> bytes:
+        try:
+            return await self._response.aread()
+        except httpx.TimeoutException as exc:
+            raise Timeout(repr(exc)) from exc
+        except httpx.HTTPError as exc:
+            raise TransportError(repr(exc)) from exc
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        try:
+            async for data in self._response.aiter_raw():
+                yield data
+        except httpx.TimeoutException as exc:
+            raise Timeout(repr(exc)) from exc
+        except httpx.HTTPError as exc:
+            raise TransportError(repr(exc)) from exc
+
+    async def aclose(self) -> None:
+        await self._response.aclose()
+
+
+class HttpxClient:
+    """One engine over httpx (an injected transport, or the measured alternative)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout_s: float,
+        connect_timeout_s: float = 5.0,
+        max_connections: int = 256,
+        max_keepalive: int = 20,
+        keepalive_s: float = 4.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.base_url = base_url
+        self._client = httpx.AsyncClient(
+            base_url=base_url,
+            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+            transport=transport,
+            trust_env=False,
+            # few idle connections: httpcore walks every pooled one on each request and release
+            limits=httpx.Limits(
+                max_connections=max_connections,
+                max_keepalive_connections=max_keepalive,
+                keepalive_expiry=keepalive_s,
+            ),
+        )
+
+    async def post(
+        self,
+        path: str,
+        body: Mapping[str, Any] | bytes,
+        *,
+        timeout: float | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> Reply:
+        return await self._request("POST", path, encode(body), timeout, headers)
+
+    async def get(self, path: str, *, timeout: float | None = None) -> Reply:
+        return await self._request("GET", path, None, timeout)
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        data: bytes | None,
+        timeout: float | None,
+        headers: Mapping[str, str] | None = None,
+    ) -> Reply:
+        kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+        try:
+            r = await self._client.request(
+                method, path, content=data, headers=_headers(data, headers), **kwargs
+            )
+        except httpx.TimeoutException as exc:
+            raise Timeout(f"{method} {self.base_url}{path}: {exc!r}") from exc
+        except httpx.HTTPError as exc:
+            raise TransportError(f"{method} {self.base_url}{path}: {exc!r}") from exc
+        return Reply(r.status_code, r.headers, r.content)
+
+    async def stream(
+        self, path: str, body: Mapping[str, Any] | bytes, headers: Mapping[str, str] | None = None
+    ) -> StreamReply:
+        request = self._client.build_request(
+            "POST", path, content=encode(body), headers=_headers(b"", headers)
+        )
+        try:
+            r = await self._client.send(request, stream=True)
+        except httpx.TimeoutException as exc:
+            raise Timeout(f"POST {self.base_url}{path}: {exc!r}") from exc
+        except httpx.HTTPError as exc:
+            raise TransportError(f"POST {self.base_url}{path}: {exc!r}") from exc
+        return _HttpxStream(r)
+
+    async def aclose(self) -> None:
+        await self._client.aclose()

@@ -1,0 +1,85 @@
+"""The streamed relay (:class:`EventRelay`) against the per-chunk parse it replaced.
+
+The stream is a real one from the simulator's D (a tool call whose arguments contain the text
+``"token_ids":[1]``, token ids on every chunk, the handle on the finish chunk, usage last),
+fed whole, one byte at a time and split at every offset: the client must see the same JSON
+events and the router must capture the same handle, ids, finish reason and usage.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pytest
+
+from agentkv.router.sse import Captured, EventRelay, rewrite_chunk
+
+STREAM = (Path(__file__).parent / "data" / "d_stream_tool_call.sse").read_bytes()
+
+
+def reference(keep_ids: bool, keep_prompt_ids: bool) -> tuple[list[object], Captured]:
+    captured = Captured()
+    out: list[object] = []
+    for line in STREAM.decode().splitlines():
+        if not line.startswith("data: "):
+            continue
+        if line[6:] == "[DONE]":
+            out.append("[DONE]")
+            continue
+        chunk = orjson.loads(line[6:])
+        out.append(
+            rewrite_chunk(chunk, captured, keep_ids=keep_ids, keep_prompt_ids=keep_prompt_ids)
+        )
+    return out, captured
+
+
+def events(data: bytes) -> list[object]:
+    out: list[object] = []
+    for event in data.split(b"\n\n"):
+        if event.startswith(b"data: "):
+            payload = event[6:]
+            out.append("[DONE]" if payload == b"[DONE]" else orjson.loads(payload))
+    return out
+
+
+def relay(pieces: list[bytes], keep_ids: bool, keep_prompt_ids: bool) -> tuple[bytes, Captured]:
+    captured = Captured()
+    r = EventRelay(captured, keep_ids=keep_ids, keep_prompt_ids=keep_prompt_ids)
+    out = b"".join(r.feed(p) for p in pieces) + r.close()
+    assert r.done
+    return out, captured
+
+
+@pytest.mark.parametrize(
+    ("keep_ids", "keep_prompt_ids"), [(False, False), (True, False), (True, True)]
+)
+def test_relay_matches_the_per_chunk_parse(keep_ids: bool, keep_prompt_ids: bool) -> None:
+    want, want_cap = reference(keep_ids, keep_prompt_ids)
+    splits = [[STREAM], [STREAM[i : i + 1] for i in range(len(STREAM))]]
+    splits += [[STREAM[:i], STREAM[i:]] for i in range(1, len(STREAM), 7)]
+    for pieces in splits:
+        out, cap = relay(pieces, keep_ids, keep_prompt_ids)
+        assert events(out) == want
+        assert cap == want_cap
+    assert want_cap.handle and want_cap.handle["remote_block_ids"]
+    assert want_cap.finish_reason == "tool_calls" and want_cap.usage
+    assert len(want_cap.output_ids) == want_cap.usage["completion_tokens"]
+
+
+def test_internal_fields_never_reach_the_client() -> None:
+    out, _ = relay([STREAM], keep_ids=False, keep_prompt_ids=False)
+    for event in events(out):
+        if isinstance(event, dict):
+            assert event.get("kv_transfer_params") is None
+            assert event.get("prompt_token_ids") is None
+            assert all(c.get("token_ids") is None for c in event["choices"])
+    assert b"remote_block_ids" not in out
+    # the tool call's arguments (text that looks like a token-id list) pass unchanged
+    assert b'Paris \\\\\\"token_ids\\\\\\":[1]' in out
+
+
+def test_unchanged_events_pass_as_the_engine_sent_them() -> None:
+    out, _ = relay([STREAM], keep_ids=True, keep_prompt_ids=True)
+    first = STREAM.split(b"\n\n")[1]  # a content chunk: nothing set, ids kept
+    assert first + b"\n\n" in out
