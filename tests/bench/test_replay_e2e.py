@@ -84,8 +84,9 @@ def test_compare_on_the_small_trace(stack: Stack, small_trace: Path, tmp_path: P
     assert all(r["wrong_kv_tokens"] == 0 for r in agentkv)
     assert all(r["model_ttft_ms"] and r["model_ttft_ms"] > 0 for r in agentkv)
     decisions = [r["decision"] for r in agentkv]
+    # planner v2: the strip and the compaction read their verified prefix back
     assert decisions == [
-        "miss", "pull", "stale", "stale", "expired", "pull",
+        "miss", "pull", "pull", "pull", "expired", "pull",
         "miss", "pull", "pull", "pull",
     ]  # fmt: skip
     for r in agentkv:
@@ -99,6 +100,8 @@ def test_compare_on_the_small_trace(stack: Stack, small_trace: Path, tmp_path: P
     # what survives: the previous prompt (strip), the system prompt (compaction)
     assert strip["ideal_tokens"] == agentkv[1]["prompt_tokens"] // 16 * 16
     assert 1024 // 8 <= rewrite["ideal_tokens"] <= 1024 // 8 + 16
+    for turn in (strip, rewrite):  # all of it, and no more
+        assert turn["reused_tokens"] == turn["ideal_tokens"] > 0
 
     unverified = by["unverified"]
     assert unverified[2]["wrong_kv_tokens"] > 0 and unverified[3]["wrong_kv_tokens"] > 0
