@@ -6,8 +6,9 @@ import json
 import sys
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from agentkv.protocol.kv_events import KVEventsConfig
 
@@ -45,6 +46,22 @@ class Backend(BaseModel):
         from urllib.parse import urlsplit
 
         return urlsplit(self.url).hostname or "localhost"
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, url: str) -> str:
+        """An engine URL is ``http(s)://host:port`` (refused at start-up, not at the first
+        request)."""
+        parsed = urlsplit(url)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise ValueError(
+                f"engine URL {url!r} needs a scheme and a host, e.g. http://127.0.0.1:8100"
+            )
+        try:
+            parsed.port  # noqa: B018 - raises on a port that is not a number in 0-65535
+        except ValueError as exc:
+            raise ValueError(f"engine URL {url!r}: {exc}") from None
+        return url
 
 
 class Tenant(BaseModel):
