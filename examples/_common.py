@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import uuid
 from typing import Any
 
 import agentkv
@@ -27,8 +28,19 @@ def arguments(description: str) -> argparse.Namespace:
     return parser.parse_args()
 
 
+RUN = uuid.uuid4().hex[:8]
+_RECEIPTS: list[agentkv.TurnReceipt] = []
+
+
+def conversation_id(name: str) -> str:
+    """``name`` made unique to this run: a rerun starts a new conversation (the same id would
+    meet the previous run's handle, whose history the new prompt does not extend: stale)."""
+    return f"{name}-{RUN}"
+
+
 def print_receipt(conversation: Any, receipt: agentkv.TurnReceipt) -> None:
     """One line per turn: the conversation, its epoch and what the router reused."""
+    _RECEIPTS.append(receipt)
     rewrite = f" rewrite={receipt.rewrite.reason}" if receipt.rewrite else ""
     print(
         f"  [agentkv] conversation={receipt.conversation_id} turn={receipt.turn} "
@@ -37,3 +49,29 @@ def print_receipt(conversation: Any, receipt: agentkv.TurnReceipt) -> None:
         f"ids={len(conversation.token_ids or [])}{rewrite}",
         flush=True,
     )
+
+
+def print_summary() -> None:
+    """The run in one line: prompt tokens reused, and the TTFT that saved. Behind agentkv's
+    simulator the TTFT is its cost model's (noise-free): the turns as they ran, against the
+    same prompts recomputed, with the local profile's cost model (the laptop preset)."""
+    turns = len(_RECEIPTS)
+    prompt = sum(r.prompt_tokens for r in _RECEIPTS)
+    reused = sum(r.reused_tokens or 0 for r in _RECEIPTS)
+    share = f" ({reused / prompt:.0%})" if prompt else ""
+    line = f"summary: {turns} turns, {reused:,} of {prompt:,} prompt tokens reused{share}"
+    modelled = [r for r in _RECEIPTS if r.model_ttft_ms is not None]
+    if modelled:
+        from agentkv.sim.costmodel import PRESETS
+
+        cost = PRESETS["laptop"]
+        recompute = sum(cost.ttft_s(r.prompt_tokens, 0) for r in modelled) * 1000
+        as_run = sum(cost.ttft_s(r.prompt_tokens, r.reused_tokens or 0) for r in modelled) * 1000
+        line += (
+            f"; TTFT saved {recompute - as_run:,.0f} ms of {recompute:,.0f} ms "
+            "(these turns against the same prompts recomputed, by the simulator's laptop "
+            "cost model)"
+        )
+    else:
+        line += "; TTFT saved: this server models no TTFT (compare with agentkv bench replay)"
+    print(line, flush=True)

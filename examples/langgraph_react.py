@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from _common import arguments, print_receipt
+from _common import arguments, conversation_id, print_receipt, print_summary
 from _sim import Scripts, answer, clients, tool_call
 from langchain_agentkv import ChatAgentKV
 from langchain_core.messages import AnyMessage, HumanMessage, RemoveMessage, SystemMessage
@@ -92,7 +92,7 @@ def main() -> None:
     else:
         model = ChatAgentKV(base_url=args.base_url, api_key=args.api_key, **settings)
     app = build(model)
-    config: Any = {"configurable": {"thread_id": "langgraph-example"}}
+    config: Any = {"configurable": {"thread_id": conversation_id("langgraph-example")}}
     for question in (
         "What is the weather in Paris, and what is 19 + 23?",
         "And in Rome?",
@@ -102,6 +102,7 @@ def main() -> None:
         state = app.invoke({"messages": [HumanMessage(question)]}, config)
         print(f"assistant: {state['messages'][-1].text}")
     model.close()
+    print_summary()
 
 
 if __name__ == "__main__":

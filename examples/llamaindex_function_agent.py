@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from _common import arguments, print_receipt
+from _common import arguments, conversation_id, print_receipt, print_summary
 from _sim import Scripts, answer, clients, tool_call
 from llama_index.core.agent.workflow import FunctionAgent
 from llama_index.core.memory import Memory
@@ -38,7 +38,7 @@ async def run(llm: AgentKV) -> None:
     )
     # A small short-term memory, so that old messages are flushed during the example.
     memory = Memory.from_defaults(
-        session_id="llamaindex-example",
+        session_id=conversation_id("llamaindex-example"),
         token_limit=300,
         chat_history_token_ratio=0.5,
         token_flush_size=60,
@@ -74,6 +74,7 @@ def main() -> None:
     else:
         llm = AgentKV(base_url=args.base_url, api_key=args.api_key, **settings)
     asyncio.run(run(llm))
+    print_summary()
 
 
 if __name__ == "__main__":

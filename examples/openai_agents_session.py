@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from _common import arguments, print_receipt
+from _common import arguments, conversation_id, print_receipt, print_summary
 from _sim import Scripts, answer, clients, tool_call
 from agentkv_openai_agents import AgentKVModelProvider, conversation
 from agents import Agent, RunConfig, Runner, SQLiteSession, function_tool, set_tracing_disabled
@@ -49,7 +49,7 @@ async def run(provider: AgentKVModelProvider, model: str) -> None:
         tools=[get_weather, add],
         model=model,
     )
-    session = SQLiteSession("agents-example")
+    session = SQLiteSession(conversation_id("agents-example"))
     config = RunConfig(model_provider=provider)
     with conversation(session):
         for question in ("What is the weather in Paris, and what is 19 + 23?", "And in Rome?"):
@@ -88,6 +88,7 @@ def main() -> None:
     else:
         provider = AgentKVModelProvider(base_url=args.base_url, api_key=args.api_key, **settings)
     asyncio.run(run(provider, args.model))
+    print_summary()
 
 
 if __name__ == "__main__":

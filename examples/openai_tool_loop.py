@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from _common import arguments, print_receipt
+from _common import arguments, print_receipt, print_summary
 from _sim import Scripts, answer, clients, tool_call
 
 import agentkv
@@ -90,6 +90,7 @@ def main() -> None:
                 print(f"  tool {fn.name}({fn.arguments}) -> {result}")
                 conv.add_tool_result(call.id, result)
     client.close()
+    print_summary()
 
 
 if __name__ == "__main__":

@@ -3,18 +3,25 @@
 1. Use the backend already answering at the local profile's URL, or start the ``local`` profile
    (simulated prefill and decode engines + agentkv's router) in the background.
 2. Drive a scripted, tool-using agent through the SDK: exact token ids, one conversation id,
-   its reasoning stripped at turn 4 and a summary at turn 6. Per turn: TTFT, prompt tokens,
-   reused tokens, the router's decision.
+   its reasoning stripped at turn 4 and a summary at turn 6 (the router trims the handle to
+   the verified prefix: a trimmed pull). Per turn: the simulator's modelled TTFT (its cost
+   model, noise-free: ``X-AgentKV-Sim-Model-TTFT-Ms``), prompt tokens, reused tokens, the
+   router's decision, and the TTFT saved against the same turn without a conversation id.
 3. Replay the same turns as a naive client would: without a conversation id (no reuse), then
    with reuse that nobody verifies (vLLM's example-proxy policy, on a second router), counting
    the prompt tokens that ran on KV computed for other tokens (the simulator's wrong-KV
    counter).
+
+Something else on the router's port (another server, or a port that is merely taken) is one
+line on stderr and exit status 2, never a traceback; ``--port`` picks another port, and busy
+engine ports are moved to free ones.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import random
 import subprocess
 import sys
 import tempfile
@@ -26,12 +33,15 @@ from typing import Any
 
 import httpx
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 import agentkv
 from agentkv.promtext import parse_metrics
-from agentkv.serve import Deployment, expand, load_profile
-from agentkv.serve.supervisor import Supervisor
+from agentkv.serve import Deployment, ProfileError, check_runtime, expand, load_profile
+from agentkv.serve.checks import port_free
+from agentkv.serve.ports import engine_ports, with_ports
+from agentkv.serve.supervisor import ServeError, Supervisor
 
 __all__ = ["run_demo"]
 
@@ -103,15 +113,36 @@ SCRIPT: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
+TURNS = sum(1 for step, _ in SCRIPT if ":" in step)
+REWRITES = {4: "reasoning stripped", 6: "summary"}
+"""The turns that follow a rewrite, and what it was."""
+LEGEND = (
+    "decisions: [bold]miss[/] = the router holds no handle for the conversation (its first "
+    "turn, or no conversation id); [bold]pull[/] = P read the verified history's KV back from "
+    "D instead of recomputing it ([bold]trimmed[/]: after a rewrite, only the verified prefix "
+    "of the handle); [bold]stale[/] = a handle the prompt does not extend, released, nothing "
+    "read. [bold]wrong-KV tokens[/] = prompt tokens that ran on KV computed for other tokens "
+    "(silent corruption: vLLM places a handle's blocks by position and checks nothing). "
+    "TTFT = the simulator's modelled time to first token (its cost model, noise-free)."
+)
+
+
+class DemoError(Exception):
+    """What stops the demo, in one line."""
+
+
 @dataclass
 class Row:
     turn: int
     label: str
     ttft_ms: float
+    """The simulator's modelled TTFT (``X-AgentKV-Sim-Model-TTFT-Ms``); wall clock without it."""
     prompt_tokens: int
     reused: int
     decision: str
     wrong_kv: int
+    trimmed: bool = False
+    wall_ttft_ms: float = 0.0
 
 
 class _Backend:
@@ -134,13 +165,19 @@ class _Backend:
 
 
 def _agent(
-    client: agentkv.Client, backend: _Backend, label: str, *, conversation: bool
+    client: agentkv.Client,
+    backend: _Backend,
+    label: str,
+    *,
+    conversation: bool,
+    model: str = "agentkv-sim",
+    on_turn: Any = None,
 ) -> list[Row]:
     """Run the script; ``conversation=False`` sends no conversation id (a fresh id each turn)."""
     rows: list[Row] = []
     # A tag per run, so no run finds another's prompts in the engines' prefix caches.
     system = f"[run {label} {time.time_ns()}] {SYSTEM}"
-    conv = client.conversation(model="agentkv-sim", system=system, tools=TOOLS)
+    conv = client.conversation(model=model, system=system, tools=TOOLS)
     pending_call: str | None = None
     turn = 0
     for step, script in SCRIPT:
@@ -182,29 +219,86 @@ def _agent(
             Row(
                 turn,
                 label,
-                ttft,
+                receipt.model_ttft_ms if receipt.model_ttft_ms is not None else ttft,
                 receipt.prompt_tokens,
                 receipt.reused_tokens or 0,
                 receipt.decision or "-",
                 backend.wrong_kv() - before,
+                trimmed=receipt.trim_cause is not None,
+                wall_ttft_ms=ttft,
             )
         )
+        if on_turn is not None:
+            on_turn()
     return rows
 
 
+def _probe(url: str) -> str:
+    """What answers at the router's URL: ``agentkv`` (agentkv's router, healthy),
+    ``agentkv-unhealthy``, ``none`` (nothing listens), or a description of something else."""
+    try:
+        r = httpx.get(f"{url}/health", timeout=3)
+    except httpx.ConnectError:
+        return "none"
+    except httpx.HTTPError as exc:
+        return f"something that does not answer HTTP ({type(exc).__name__})"
+    try:
+        body = r.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and "status" in body and "store" in body:
+        return "agentkv" if r.status_code == 200 else "agentkv-unhealthy"
+    return f"a server that is not agentkv's router (GET /health: HTTP {r.status_code})"
+
+
+def _free_base(count: int, avoid: int) -> int:
+    """The first of ``count`` consecutive free ports (not ``avoid``)."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 60000 - count)
+        ports = range(base, base + count)
+        if avoid not in ports and all(port_free(p) for p in ports):
+            return base
+    raise DemoError(f"found no {count} consecutive free ports for the engines")
+
+
 @contextlib.contextmanager
-def _backend(profile: str = "local") -> Iterator[tuple[Deployment, bool]]:
-    """The deployment of ``profile``: (deployment, started here)."""
-    deployment = expand(load_profile(profile))
-    with contextlib.suppress(httpx.HTTPError):
-        if (
-            httpx.get(deployment.base_url.removesuffix("/v1") + "/health", timeout=1).status_code
-            == 200
-        ):
-            yield deployment, False
-            return
-    with Supervisor(deployment, console=None, startup_timeout_s=90) as _:
+def _backend(profile: str = "local", port: int | None = None) -> Iterator[tuple[Deployment, bool]]:
+    """The deployment of ``profile`` (the router on ``port`` when given): (deployment, started
+    here). Raises :class:`DemoError`."""
+    try:
+        prof = with_ports(load_profile(profile), port=port)
+    except ProfileError as exc:
+        raise DemoError(str(exc)) from None
+    deployment = expand(prof)
+    where = f"127.0.0.1:{prof.router.port}"
+    hint = "stop it, or run agentkv demo --port N with a free port"
+    found = _probe(deployment.base_url.removesuffix("/v1"))
+    if found == "agentkv":
+        yield deployment, False
+        return
+    if found == "agentkv-unhealthy":
+        raise DemoError(f"agentkv's router on {where} has no healthy engines: {hint}")
+    if found != "none":
+        raise DemoError(f"{where} is taken by {found}: {hint}")
+    if not port_free(prof.router.port):
+        raise DemoError(f"port {prof.router.port} is in use: {hint}")
+    if check_runtime(prof):  # engine ports taken (e.g. another deployment): move the engines
+        prof = with_ports(prof, base_port=_free_base(engine_ports(prof), prof.router.port))
+        problems = check_runtime(prof)
+        if problems:
+            raise DemoError("; ".join(problems))
+        deployment = expand(prof)
+    supervisor = Supervisor(deployment, console=None, startup_timeout_s=90)
+    try:
+        supervisor.start()
+    except ServeError as exc:
+        supervisor.stop()
+        raise DemoError(f"could not start profile {prof.name}: {exc}") from None
+    try:
         yield deployment, True
+    finally:
+        supervisor.stop()
 
 
 @contextlib.contextmanager
@@ -245,62 +339,141 @@ def _unverified_router(deployment: Deployment) -> Iterator[str]:
             proc.wait(10)
 
 
-def run_demo(*, profile: str = "local", console: Console | None = None) -> int:
-    """Run the demo on ``profile`` (a simulator profile) and print its tables; 0 when every
-    claim held."""
+def run_demo(
+    *, profile: str = "local", port: int | None = None, console: Console | None = None
+) -> int:
+    """Run the demo on ``profile`` (a simulator profile; the router on ``port`` when given) and
+    print its tables; 0 when every claim held, 1 when one did not, 2 when it could not run."""
     console = console or Console()
     console.print(
         "[bold]agentkv demo[/]: a tool-using agent on simulated vLLM P/D behind agentkv's router"
     )
-    with _backend(profile) as (deployment, started):
-        console.print(
-            ("started" if started else "using") + f" the local backend at {deployment.base_url}"
+    try:
+        verified, naive, unverified = _run(console, profile, port)
+    except DemoError as exc:
+        Console(stderr=True, soft_wrap=True).print(
+            f"agentkv demo: {exc}", markup=False, highlight=False
         )
-        backend = _Backend(deployment)
-        with agentkv.Client(base_url=deployment.base_url, api_key="demo") as client:
-            verified = _agent(client, backend, "agentkv", conversation=True)
-            naive = _agent(client, backend, "no-id", conversation=False)
-        with (
-            _unverified_router(deployment) as url,
-            agentkv.Client(base_url=url, api_key="demo") as client,
-        ):
-            unverified = _agent(client, backend, "unverified", conversation=True)
+        return 2
     _print(console, verified, naive, unverified)
-    ok = sum(r.wrong_kv for r in verified) == 0 and sum(r.wrong_kv for r in unverified) > 0
-    ok = ok and all(r.decision == "pull" for r in verified[1:] if r.turn not in (4, 6))
-    if not ok:
-        console.print("[red]demo check failed: reuse or wrong-KV counts are not as expected[/]")
-    return 0 if ok else 1
+    problems = check(verified, naive, unverified)
+    for problem in problems:
+        console.print(f"[red]demo check failed[/]: {problem}", highlight=False)
+    return 1 if problems else 0
+
+
+def _run(
+    console: Console, profile: str, port: int | None
+) -> tuple[list[Row], list[Row], list[Row]]:
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    )
+    with progress:
+        task = progress.add_task("starting the local backend", total=3 * TURNS)
+        with _backend(profile, port) as (deployment, started):
+            progress.console.print(
+                ("started" if started else "using") + f" the local backend at {deployment.base_url}"
+            )
+            backend = _Backend(deployment)
+            model = load_profile(profile).served_model_name
+
+            def step() -> None:
+                progress.advance(task)
+
+            with agentkv.Client(base_url=deployment.base_url, api_key="demo") as client:
+                progress.update(task, description="agentkv (verified reuse)")
+                verified = _agent(
+                    client, backend, "agentkv", conversation=True, model=model, on_turn=step
+                )
+                progress.update(task, description="no conversation id")
+                naive = _agent(
+                    client, backend, "no-id", conversation=False, model=model, on_turn=step
+                )
+            progress.update(task, description="reuse without verification")
+            with (
+                _unverified_router(deployment) as url,
+                agentkv.Client(base_url=url, api_key="demo") as client,
+            ):
+                unverified = _agent(
+                    client, backend, "unverified", conversation=True, model=model, on_turn=step
+                )
+    return verified, naive, unverified
+
+
+def check(verified: list[Row], naive: list[Row], unverified: list[Row]) -> list[str]:
+    """The demo's claims, each that failed as a sentence: agentkv reads no wrong KV and pulls
+    every turn after the first (the rewrite turns a trimmed pull), unverified reuse reads wrong
+    KV, and agentkv's modelled TTFT is below the naive client's."""
+    problems = []
+    if sum(r.wrong_kv for r in verified):
+        problems.append("agentkv's turns ran on wrong KV")
+    if not sum(r.wrong_kv for r in unverified):
+        problems.append("unverified reuse read no wrong KV")
+    for r in verified[1:]:
+        if r.decision != "pull":
+            problems.append(f"turn {r.turn}: decision {r.decision}, not pull")
+        elif (r.turn in REWRITES) != r.trimmed:
+            problems.append(f"turn {r.turn}: {'not ' if r.turn in REWRITES else ''}trimmed")
+    if sum(r.ttft_ms for r in verified) >= sum(r.ttft_ms for r in naive):
+        problems.append("agentkv's modelled TTFT is not below the naive client's")
+    return problems
+
+
+def _decision(r: Row) -> str:
+    return f"{r.decision} (trimmed)" if r.trimmed else r.decision
 
 
 def _print(console: Console, verified: list[Row], naive: list[Row], unverified: list[Row]) -> None:
     table = Table(title="agentkv: exact ids, one conversation id, verified reuse")
-    for col in ("turn", "TTFT ms", "prompt tokens", "reused tokens", "decision", "wrong-KV tokens"):
+    for col in (
+        "turn",
+        "TTFT ms",
+        "TTFT saved ms",
+        "prompt tokens",
+        "reused tokens",
+        "decision",
+        "wrong-KV tokens",
+    ):
         table.add_column(col, justify="right")
-    notes = {4: " (reasoning stripped)", 6: " (summary)"}
-    for r in verified:
+    for r, base in zip(verified, naive, strict=True):
+        note = f" ({REWRITES[r.turn]})" if r.turn in REWRITES else ""
         table.add_row(
-            f"{r.turn}{notes.get(r.turn, '')}",
+            f"{r.turn}{note}",
             f"{r.ttft_ms:.0f}",
+            f"{base.ttft_ms - r.ttft_ms:.0f}",
             str(r.prompt_tokens),
             str(r.reused),
-            r.decision,
+            _decision(r),
             str(r.wrong_kv),
         )
     console.print(table)
     compare = Table(title="the same turns, three clients")
-    for col in ("client", "total TTFT ms", "reused tokens", "wrong-KV tokens"):
+    for col in ("client", "total TTFT ms", "TTFT saved", "reused tokens", "wrong-KV tokens"):
         compare.add_column(col, justify="right")
+    base_total = sum(r.ttft_ms for r in naive)
     for name, rows in (
         ("agentkv (verified)", verified),
         ("no conversation id", naive),
         ("reuse without verification", unverified),
     ):
         wrong = sum(r.wrong_kv for r in rows)
+        total = sum(r.ttft_ms for r in rows)
+        saved = base_total - total
         compare.add_row(
             name,
-            f"{sum(r.ttft_ms for r in rows):.0f}",
+            f"{total:.0f}",
+            "-"
+            if rows is naive
+            else f"{saved:.0f} ms ({saved / base_total:.0%})"
+            if base_total
+            else "-",
             str(sum(r.reused for r in rows)),
             f"[red]{wrong}[/]" if wrong else "0",
         )
     console.print(compare)
+    console.print(LEGEND)

