@@ -65,8 +65,8 @@ MODEL = "agentkv-sim"
 BS = 16
 MAX_BODY = 64 * 1024
 RETRIES = 2
-EXAMPLES = int(os.environ.get("AGENTKV_CHAOS_EXAMPLES", "8"))
-STEPS = int(os.environ.get("AGENTKV_CHAOS_STEPS", "20"))
+EXAMPLES = int(os.environ.get("AGENTKV_CHAOS_EXAMPLES", "16"))
+STEPS = int(os.environ.get("AGENTKV_CHAOS_STEPS", "25"))
 SHRINK = os.environ.get("AGENTKV_CHAOS_SHRINK", "1") != "0"
 """0: report a failing example as found (shrinking replays it on real processes, slowly)."""
 QUIET_S = 20.0
@@ -141,6 +141,7 @@ class Chaos:
         self.wrong_kv_base = 0.0
         """Wrong-KV tokens counted by D instances that were killed (their counters restart)."""
         self.examples = 0
+        self.tmp = redis_dir
         self.trace: list[str] = []
         """This example's steps (shown when an invariant fails)."""
         self.t0 = time.monotonic()
@@ -304,16 +305,12 @@ def chaos(tmp_path_factory: pytest.TempPathFactory):
                     {"role": "user", "content": "Go."},
                 ]
                 c.bases.append(_tokenize(c.http, s, messages))
-            c.summary.seconds = -time.monotonic()
+            c.tmp = tmp
             try:
                 yield c
             finally:
-                c.summary.seconds = round(c.summary.seconds + time.monotonic(), 1)
-                c.summary.wrong_kv_tokens = c.wrong_kv()
                 c.http.close()
-                summary = json.dumps(c.summary.as_dict(), indent=2)
-                (tmp / "chaos-summary.json").write_text(summary + "\n")
-                print(f"\nchaos summary ({tmp / 'chaos-summary.json'}):\n{summary}")
+                c.redis.close()
     finally:
         _stop(proc)
         if c is not None:
@@ -614,7 +611,8 @@ class ChaosMachine(RuleBasedStateMachine):
             self._receipt(b, ids, r, expect_pull)
             data = r.json()
             out = list(data["choices"][0]["token_ids"])
-            assert data["prompt_token_ids"] == ids
+            # the prompt's ids are echoed only when the client did not send them
+            assert data.get("prompt_token_ids") in (None, ids)
             self._record(b, ids, out, clean=fault is None)
             return True
         with self.c.http.stream("POST", url, json=body, headers=self._headers(b)) as r:
@@ -852,9 +850,6 @@ class ChaosMachine(RuleBasedStateMachine):
         if r.status_code != 200:
             _check_error(r, f"{name}={value!r}")
             self.c.summary.status_4xx += 1
-        for key in ("conversation_id", "session_id", "prompt_cache_key"):
-            if isinstance(body.get(key), str) and body[key]:
-                self.extra_convs.add(body[key])
         self._done()
 
     @precondition(lambda self: any(b.held for b in self.branches))
@@ -916,11 +911,13 @@ class ChaosMachine(RuleBasedStateMachine):
         self.gen += 1
         self.c.stop_redis()
         try:
+            answered = False
             for pick in turns:
                 b = self._branch(pick)
                 if b.held:
-                    self._turn(b, self._next_ids(b, pick), max_tokens=10)
-            assert self.c.health()["store"] == "degraded"
+                    answered = self._turn(b, self._next_ids(b, pick), max_tokens=10) or answered
+            if answered:
+                assert self.c.health()["store"] == "degraded"
         finally:
             self.c.start_redis()
             self.gen += 1  # what was answered meanwhile was not stored
@@ -972,8 +969,8 @@ class ChaosMachine(RuleBasedStateMachine):
         try:
             if healthy:
                 for b in self.branches:
-                    if b.held:
-                        assert self._turn(b, self._next_ids(b, 1), max_tokens=6), b.conv
+                    ids = self._next_ids(b, 1) if b.held else self.c.bases[0]
+                    assert self._turn(b, ids, max_tokens=6), b.conv
         finally:
             c.clear_faults()
             c.start_redis()
@@ -1056,16 +1053,26 @@ def test_every_hostile_body_is_refused_and_costs_nothing(chaos: Chaos) -> None:
 @pytest.mark.timeout(900)  # a passing run takes well under 3 minutes; the rest is for shrinking
 def test_chaos(chaos: Chaos) -> None:
     ChaosMachine.chaos = chaos
-    run_state_machine_as_test(
-        ChaosMachine,
-        settings=settings(
-            max_examples=EXAMPLES,
-            stateful_step_count=STEPS,
-            deadline=None,
-            database=None,
-            suppress_health_check=list(HealthCheck),
-            print_blob=True,
-            phases=list(Phase) if SHRINK else [Phase.explicit, Phase.reuse, Phase.generate],
-        ),
-    )
-    assert chaos.wrong_kv() == 0
+    chaos.summary = Summary()  # the figures of this run only (not of the tests above)
+    started = time.monotonic()
+    try:
+        run_state_machine_as_test(
+            ChaosMachine,
+            settings=settings(
+                max_examples=EXAMPLES,
+                stateful_step_count=STEPS,
+                deadline=None,
+                database=None,
+                suppress_health_check=list(HealthCheck),
+                print_blob=True,
+                phases=list(Phase) if SHRINK else [Phase.explicit, Phase.reuse, Phase.generate],
+            ),
+        )
+        assert chaos.wrong_kv() == 0
+    finally:
+        chaos.summary.seconds = round(time.monotonic() - started, 1)
+        with contextlib.suppress(httpx.HTTPError):
+            chaos.summary.wrong_kv_tokens = chaos.wrong_kv()
+        summary = json.dumps(chaos.summary.as_dict(), indent=2)
+        (chaos.tmp / "chaos-summary.json").write_text(summary + "\n")
+        print(f"\nchaos summary ({chaos.tmp / 'chaos-summary.json'}):\n{summary}")
