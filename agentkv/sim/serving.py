@@ -35,6 +35,9 @@ from agentkv.sim.outputs import (
 __all__ = ["Plan", "Renderer", "plan_chat", "plan_completion", "sse"]
 
 _REUSED_IDS = "kv_transfer_params.prompt_token_ids"
+SYSTEM_FINGERPRINT = "vllm-0.33.0-a9e7c5e1"
+"""vLLM 0.33 (``--fingerprint-mode full``) sends ``vllm-<version>-<8 hex of its config hash>`` on
+every response and on a stream's usage chunk; the simulator's is fixed."""
 # vLLM's ``VLLMValidationError`` appends the parameter to its message.
 _REUSED_IDS_PARAM = f"parameter={_REUSED_IDS}"
 
@@ -579,7 +582,7 @@ def full_response(r: Renderer, plan: Plan, sched: Scheduled, fin: Finished) -> d
             "model": plan.model,
             "choices": [choice],
             "service_tier": None,
-            "system_fingerprint": None,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
             "usage": usage(r, plan, sched, len(fin.output_ids)),
             "prompt_logprobs": None,
             "prompt_token_ids": prompt_ids,
@@ -607,7 +610,7 @@ def full_response(r: Renderer, plan: Plan, sched: Scheduled, fin: Finished) -> d
         "model": plan.model,
         "choices": [choice],
         "service_tier": None,
-        "system_fingerprint": None,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
         "usage": usage(r, plan, sched, len(fin.output_ids)),
         "kv_transfer_params": fin.kv_transfer_params,
         "ec_transfer_params": None,
@@ -737,7 +740,7 @@ class StreamWriter:
             # vLLM serializes this one with ``exclude_none``.
             info = usage(self.r, self.plan, sched, len(fin.output_ids))
             info = {k: v for k, v in info.items() if v is not None}
-            out.append(sse(self._chunk(None, usage=info)))
+            out.append(sse(self._chunk(None, usage=info, system_fingerprint=SYSTEM_FINGERPRINT)))
         out.append(sse("[DONE]"))
         return out
 

