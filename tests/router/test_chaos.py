@@ -35,6 +35,7 @@ import socket
 import subprocess
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -211,7 +212,7 @@ class Chaos:
         """The router's handles, read from Redis (layout: agentkv/router/redis_store.py)."""
         out: set[tuple[str, str]] = set()
         for key in self.redis.scan_iter(match="agentkv:h:*", count=1000):
-            value = self.redis.get(key)
+            value: bytes | None = self.redis.get(key)  # type: ignore[assignment]
             if value is None:
                 continue
             handle = orjson.loads(value.split(b" ", 1)[1])
@@ -276,7 +277,7 @@ def _tokenize(http: httpx.Client, s: Stack, messages: list[dict[str, str]]) -> l
 
 
 @pytest.fixture(scope="module")
-def chaos(tmp_path_factory: pytest.TempPathFactory):
+def chaos(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chaos]:
     binary = shutil.which("redis-server")
     if binary is None:
         if os.environ.get("CI"):
@@ -812,7 +813,7 @@ class ChaosMachine(RuleBasedStateMachine):
         if kind == "oversized_chunked":
             chunk = b"x" * 16384
 
-            def body():
+            def body() -> Iterator[bytes]:
                 yield b'{"model": "agentkv-sim", "pad": "'
                 for _ in range(MAX_BODY // len(chunk) + 4):
                     yield chunk
