@@ -78,28 +78,23 @@ def with_free_ports(code: str, router_port: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def serve_local() -> Iterator[int]:
-    """``agentkv serve local`` on free ports: the router's port."""
+def serve_local(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    """``agentkv serve local`` on free ports, once it says it is ready: the router's port."""
     port = free_port()
     base = free_range(engine_ports(load_profile("local")))
     argv = ["serve", "local", "--port", str(port), "--base-port", str(base)]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "agentkv", *argv],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "agentkv", *argv], stdout=out, stderr=subprocess.STDOUT
+        )
     try:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, "agentkv serve local exited"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
+        deadline = time.monotonic() + 120
+        while "OpenAI base URL" not in log.read_text():  # the engines are healthy too
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.2)
-        else:
-            raise AssertionError("agentkv serve local never became healthy")
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
         yield port
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -94,7 +94,7 @@ def test_serve_local_on_given_ports() -> None:
         lines = []
         for line in proc.stdout:
             lines.append(line)
-            if "ready" in line:
+            if "OpenAI base URL" in line:
                 break
         assert f"http://127.0.0.1:{port}/v1" in "".join(lines), lines
         for engine in (base, base + 1):
