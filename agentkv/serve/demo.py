@@ -20,6 +20,7 @@ engine ports are moved to free ones.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import random
 import subprocess
@@ -150,9 +151,8 @@ class _Backend:
 
     def __init__(self, deployment: Deployment) -> None:
         self.base_url = deployment.base_url
-        self.engines = [
-            p.health_url.rsplit("/health", 1)[0] for p in deployment.processes if p.role != "router"
-        ]
+        config = deployment.router_config
+        self.engines = [str(e["url"]) for role in ("prefill", "decode") for e in config[role]]
 
     def wrong_kv(self) -> int:
         total = 0.0
@@ -251,6 +251,23 @@ def _probe(url: str) -> str:
     return f"a server that is not agentkv's router (GET /health: HTTP {r.status_code})"
 
 
+def _running(deployment: Deployment) -> Deployment:
+    """``deployment`` with the engines the running router reports (its ``/health``, open
+    without tenants), which need not be the profile's (``agentkv serve --base-port``)."""
+    url = deployment.base_url.removesuffix("/v1")
+    try:
+        health = httpx.get(f"{url}/health", timeout=3).json()
+    except (httpx.HTTPError, ValueError):
+        return deployment
+    config = dict(deployment.router_config)
+    for role in ("prefill", "decode"):
+        urls = list(health.get(role) or {}) if isinstance(health, dict) else []
+        if not urls:
+            return deployment  # not shown (an admin key is needed): the profile's
+        config[role] = [{"url": u} for u in urls]
+    return dataclasses.replace(deployment, router_config=config)
+
+
 def _free_base(count: int, avoid: int) -> int:
     """The first of ``count`` consecutive free ports (not ``avoid``)."""
     rng = random.Random()
@@ -275,7 +292,7 @@ def _backend(profile: str = "local", port: int | None = None) -> Iterator[tuple[
     hint = "stop it, or run agentkv demo --port N with a free port"
     found = _probe(deployment.base_url.removesuffix("/v1"))
     if found == "agentkv":
-        yield deployment, False
+        yield _running(deployment), False
         return
     if found == "agentkv-unhealthy":
         raise DemoError(f"agentkv's router on {where} has no healthy engines: {hint}")

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -252,3 +253,28 @@ def test_demo_claims() -> None:
     assert check(slower, naive, unverified) == [
         "agentkv's modelled TTFT is not below the naive client's"
     ]
+
+
+@pytest.mark.e2e
+def test_demo_uses_a_running_deployment_on_its_own_ports(tmp_path: Path) -> None:
+    """`agentkv serve local --port R --base-port B`, then `agentkv demo --port R`: the demo
+    uses it, its engines found through the router (not the profile's ports)."""
+    port, base = free_port(), free_range(3)
+    argv = ["serve", "local", "--port", str(port), "--base-port", str(base)]
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "agentkv", *argv], stdout=out, stderr=subprocess.STDOUT
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while "OpenAI base URL" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        r = agentkv("demo", "--port", str(port), timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert f"using the local backend at http://127.0.0.1:{port}/v1" in r.stdout
+        assert r.stdout.count("pull (trimmed)") == 2
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
