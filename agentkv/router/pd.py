@@ -329,6 +329,16 @@ class Router:
                 best, best_local = e, n
         return best, best_local
 
+    def _covered_locally(self, plan: Plan, n: int, local: int | None) -> bool:
+        """A partly verified handle whose verified part P holds itself (M below threshold)."""
+        if plan.params is None or plan.release or plan.taken is None or local is None:
+            return False
+        if plan.verified_tokens >= plan.taken.handle.num_tokens:
+            return False  # all of it is this prompt's: this turn's own handle supersedes it
+        m = min(plan.attached_tokens, n) - local
+        threshold = self.config.kv_recompute_threshold
+        return m <= 0 or (threshold > 0 and m < threshold)
+
     def _receipt(self, plan: Plan, n: int, local: int | None) -> Receipt:
         """M = max(0, min(C, N) − L), zero when below P's threshold (P then only notifies D)."""
         if plan.params is None or plan.release:
@@ -355,6 +365,19 @@ class Router:
                 continue
             if engine is None:
                 raise RouterError(503, "No healthy prefill instance.")
+            if self._covered_locally(plan, len(ids), local):
+                # P's own prefix cache already holds what this handle shares with the prompt,
+                # and the handle holds more. After the client's rewrite that is history nobody
+                # reads again: P only notifies D to free it. Otherwise it is another branch's
+                # history: reading it would only spend it, so it stays for its branch.
+                assert plan.params is not None
+                if plan.cause == "rewrite":
+                    at.plan = plan = replace(
+                        plan, decision="local", params=plan.params.release_only(), release=True
+                    )
+                else:
+                    self._spawn(self._restore(at.key, plan))
+                    at.plan = plan = plan.without_handle("local")
             params = (
                 plan.params.to_wire()
                 if plan.params is not None

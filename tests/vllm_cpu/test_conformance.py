@@ -33,7 +33,6 @@ from scenarios import (
 )
 
 pytestmark = [pytest.mark.vllm_cpu, pytest.mark.timeout(900)]
-PLANNER_V2 = pytest.mark.xfail(reason="issue 11 planner v2", strict=False)
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sim"])
@@ -128,7 +127,6 @@ def test_a_new_epoch_still_pulls_its_verified_history(engine, request):
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sim"])
-@PLANNER_V2
 def test_two_branches_on_one_id_keep_their_own_handles(engine, request):
     stack: Stack = request.getfixturevalue("real" if engine == "vllm" else "sim")
     turns = branches(stack)
