@@ -23,6 +23,7 @@ from scenarios import EXT, MODEL, OUT, TEMPLATE_PULLED, TEMPLATE_RUNS, Stack
 
 import agentkv
 from agentkv._rendering import RemoteRenderer
+from agentkv.protocol import HEADER_ECHO_PROMPT_TOKEN_IDS
 
 pytestmark = [pytest.mark.vllm_cpu, pytest.mark.timeout(1200)]
 
@@ -100,7 +101,11 @@ def converse(stack: Stack, name: str, template: str) -> Run:
             run.before.append(conv.token_ids)
             try:
                 response = conv.create(
-                    max_tokens=OUT, temperature=0, extra_body={"ignore_eos": True}
+                    max_tokens=OUT,
+                    temperature=0,
+                    extra_body={"ignore_eos": True},
+                    # the router drops the engine's echo of ids the client sent, unless asked
+                    extra_headers={HEADER_ECHO_PROMPT_TOKEN_IDS: "1"},
                 )
             except (agentkv.AgentKVError, openai.APIError) as exc:
                 run.result = f"turn {k + 1}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
