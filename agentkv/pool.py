@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import json
-import re
 import threading
 import time
 from collections import OrderedDict
@@ -54,7 +53,6 @@ AnyConversation = agentkv.Conversation | agentkv.AsyncConversation
 TurnCallback = Callable[[AnyConversation, agentkv.TurnReceipt], None]
 THREAD_STATE_VERSION = 1
 DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
-_THINK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 
 
 class StateStore:

@@ -107,10 +107,6 @@ class Session:
     def max_input_tokens(self) -> int:
         return max((t.input_tokens for t in self.turns), default=0)
 
-    @property
-    def duration_s(self) -> float:
-        return self.turns[-1].t_s if self.turns else 0.0
-
     def truncated(self, max_turns: int) -> Session:
         """The first ``max_turns`` turns; ``meta["next_gap_s"]`` keeps the gap before the first
         turn cut off (D's retention after the last kept turn depends on it)."""

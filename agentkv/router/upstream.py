@@ -140,9 +140,6 @@ class EnginePool:
     def all(self) -> list[Engine]:
         return [*self.prefill, *self.decode]
 
-    def by_url(self, url: str) -> Engine | None:
-        return next((e for e in self.all if e.url == url), None)
-
     async def check(self, engine: Engine) -> bool:
         try:
             r = await engine.health.get(

@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -624,8 +623,3 @@ def _truncate(held: KVContent | None, taken: int) -> KVContent | None:
     if held is None:
         return None
     return KVContent(held.parent, held.start, held.tokens[:taken])
-
-
-def new_request_id(prefix: str, base: str | None = None) -> str:
-    """vLLM-style internal id: ``<prefix>-<base or random>-<8 hex>``."""
-    return f"{prefix}-{base or uuid.uuid4().hex}-{uuid.uuid4().hex[:8]}"
