@@ -335,9 +335,12 @@ class Router:
             return False
         if plan.verified_tokens >= plan.taken.handle.num_tokens:
             return False  # all of it is this prompt's: this turn's own handle supersedes it
-        m = min(plan.attached_tokens, n) - local
+        return not self._p_reads(min(plan.attached_tokens, n) - local)
+
+    def _p_reads(self, m: int) -> bool:
+        """Whether P reads M tokens from D (vLLM skips reads below its recompute threshold)."""
         threshold = self.config.kv_recompute_threshold
-        return m <= 0 or (threshold > 0 and m < threshold)
+        return m > 0 and not (threshold > 0 and m < threshold)
 
     def _receipt(self, plan: Plan, n: int, local: int | None) -> Receipt:
         """M = max(0, min(C, N) − L), zero when below P's threshold (P then only notifies D)."""
@@ -345,8 +348,7 @@ class Router:
             return Receipt(plan.decision, 0, plan.verified_tokens, local, plan.cause)
         offered = min(plan.attached_tokens, n)
         m = max(0, offered - (local or 0))
-        threshold = self.config.kv_recompute_threshold
-        if local is not None and (m == 0 or (threshold > 0 and m < threshold)):
+        if local is not None and not self._p_reads(m):
             # P's own prefix cache covers what D offers: P reads nothing, D frees the blocks
             return Receipt("local", 0, plan.verified_tokens, local, plan.cause)
         return Receipt(plan.decision, m, plan.verified_tokens, local, plan.cause)
@@ -463,10 +465,8 @@ class Router:
         ) as span:
             return await self._turn(req, span)
 
-    async def _plan(self, req: ClientRequest, key: StoreKey | None, ids: list[int]) -> Plan:
+    async def _plan(self, req: ClientRequest, key: StoreKey | None, hashes: PromptHashes) -> Plan:
         """Choose and take a handle; a handle another replica took first is skipped."""
-        root = hash_root(req.body.get("model"), req.cache_salt)
-        hashes = PromptHashes(ids, self.config.block_size, root)
         can_pull = any(e.healthy and e.backend.bidirectional for e in self.pool.prefill)
         candidates = await self.store.candidates(key) if key else []
         for _ in range(3):
@@ -506,7 +506,10 @@ class Router:
         key: StoreKey | None = (req.tenant, req.conversation_id) if req.conversation_id else None
         if key is not None and req.lease_s is not None:
             await self.retention.renew(key, req.lease_s)
-        plan = await self._plan(req, key, ids)
+        # the prompt is hashed once a turn: for verification, and again for what D will hold
+        root = hash_root(req.body.get("model"), req.cache_salt)
+        hashes = PromptHashes(ids, self.config.block_size, root)
+        plan = await self._plan(req, key, hashes)
         if plan.release and plan.taken is not None:
             self.metrics.released.labels(plan.decision).inc()
         tried: set[str] = set()
@@ -526,7 +529,7 @@ class Router:
                 raise RouterError(503, "No healthy decode instance.")
             tried.add(engine.url)
             try:
-                response = await self._decode(req, ids, pre, engine, key, started)
+                response = await self._decode(req, hashes, pre, engine, key, started)
             except _BeforeFirstByte:
                 self.metrics.retries.labels("decode_error").inc()
                 continue
@@ -595,12 +598,13 @@ class Router:
     async def _decode(
         self,
         req: ClientRequest,
-        ids: list[int],
+        hashes: PromptHashes,
         pre: _Prefilled,
         engine: Engine,
         key: StoreKey | None,
         started: float,
     ) -> Response:
+        ids = hashes.prompt
         body = req.copy_body()
         if req.chat:
             body["kv_transfer_params"] = dict(pre.params, prompt_token_ids=ids)
@@ -654,7 +658,7 @@ class Router:
             captured = clean_response(
                 data, keep_ids=req.wants_token_ids, keep_prompt_ids=req.wants_prompt_ids
             )
-            await self._remember(req, key, ids, captured, engine)
+            await self._remember(req, key, hashes, captured, engine)
             self.metrics.turn_seconds.labels(pre.receipt.decision).observe(
                 time.perf_counter() - started
             )
@@ -670,7 +674,7 @@ class Router:
         engine.ok()
 
         async def on_handle(captured: Captured) -> None:
-            await self._remember(req, key, ids, captured, engine)
+            await self._remember(req, key, hashes, captured, engine)
 
         def on_end(outcome: StreamOutcome) -> None:
             engine.outstanding_requests -= 1
@@ -701,7 +705,7 @@ class Router:
         self,
         req: ClientRequest,
         key: StoreKey | None,
-        ids: list[int],
+        prompt: PromptHashes,
         captured: Captured,
         engine: Engine,
     ) -> None:
@@ -715,8 +719,7 @@ class Router:
             return
         num = parsed.remote_num_tokens or 0
         bs = self.config.block_size
-        root = hash_root(req.body.get("model"), req.cache_salt)
-        hashes, tail = held_record([*ids, *captured.output_ids], num, bs, root)
+        hashes, tail = held_record(captured.output_ids, num, prompt)
         stored = StoredHandle(
             params=_reachable(handle, engine),
             block_hashes=hashes,
@@ -725,7 +728,7 @@ class Router:
             block_size=bs,
             epoch=req.epoch,
             decode_url=engine.url,
-            root=root.hex(),
+            root=prompt.root.hex(),
         )
         if key is None:
             self._spawn(self.release(stored, "anonymous"))

@@ -74,12 +74,18 @@ class PromptHashes:
 
 
 def held_record(
-    held: Sequence[int], num_tokens: int, block_size: int, root: bytes = b""
+    output: Sequence[int], num_tokens: int, prompt: PromptHashes
 ) -> tuple[list[str], list[int]]:
-    """(block hashes, tail tokens) of the first ``num_tokens`` of ``held``."""
-    held = held[:num_tokens]
-    full = len(held) // block_size * block_size
-    return chain_hashes(held[:full], block_size, root), list(held[full:])
+    """(block hashes, tail tokens) of the first ``num_tokens`` of the prompt + ``output``, what D
+    holds after a turn. The prompt's full blocks reuse the hashes verification computed."""
+    bs = prompt.block_size
+    held = [*prompt.prompt, *output][:num_tokens]
+    full_blocks = len(held) // bs
+    shared = min(full_blocks, len(prompt.prompt) // bs)
+    known = prompt.upto(shared)
+    parent = bytes.fromhex(known[-1]) if known else prompt.root
+    rest = chain_hashes(held[shared * bs : full_blocks * bs], bs, parent)
+    return [*known, *rest], list(held[full_blocks * bs :])
 
 
 def verified_tokens(

@@ -22,7 +22,7 @@ ROOT = hash_root("m", None)
 def handle(
     epoch: int = 0, num: int = 22, held: list[int] = HELD, root: bytes = ROOT, req: str = "r"
 ) -> StoredHandle:
-    hashes, tail = held_record(held, num, BS, root)
+    hashes, tail = held_record([], num, PromptHashes(held, BS, root))
     params = {
         "do_remote_decode": True,
         "remote_block_ids": [list(range(1, 7))],
@@ -76,6 +76,17 @@ def test_prompt_hashes_extend_lazily_and_agree():
     assert lazy.upto(3) == chain_hashes(prompt[:12], BS, ROOT)
     assert lazy.upto(12) == chain_hashes(prompt, BS, ROOT)
     assert lazy.upto(99) == chain_hashes(prompt, BS, ROOT)
+
+
+def test_held_record_reuses_the_prompts_hashes():
+    prompt, output = list(range(1, 31)), [7, 8, 9, 10, 11]  # 30 + 5 tokens held, less the last
+    lazy = PromptHashes(prompt, BS, ROOT)
+    lazy.upto(3)  # verification hashed part of it already
+    hashes, tail = held_record(output, 34, lazy)
+    held = [*prompt, *output][:34]
+    assert hashes == chain_hashes(held[:32], BS, ROOT) and tail == held[32:]
+    short, tail = held_record(output, 10, PromptHashes(prompt, BS, ROOT))
+    assert short == chain_hashes(prompt[:8], BS, ROOT) and tail == prompt[8:10]
 
 
 def test_extension_is_verified_in_full():
