@@ -16,86 +16,25 @@
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import ctypes
-import os
 import signal
-import subprocess
-import sys
 import tempfile
 import threading
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import IO
 
-import httpx
 from rich.console import Console
 from rich.text import Text
 
+from agentkv.procs import Process, ProcessError, spawn
 from agentkv.serve import Deployment, ProcessSpec
 
 __all__ = ["ServeError", "Supervisor"]
 
 _COLORS = ("cyan", "magenta", "green", "yellow", "blue", "bright_cyan", "bright_magenta")
-_PR_SET_PDEATHSIG = 1
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
-    """A ``preexec_fn`` that makes the child receive ``sig`` when the process (strictly: the
-    thread) that starts it dies, however it dies; None where ``prctl`` does not exist (not
-    Linux). SIGTERM rather than SIGKILL, so an engine can still stop what it started itself.
-
-    libc is resolved here, in the parent: the child, between fork and exec, only makes the
-    call (and checks that the parent did not die before it).
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    prctl.restype = ctypes.c_int
-    parent = os.getpid()
-
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before the call: nobody will signal
-            os._exit(1)
-
-    return preexec
-
-
-def _stat(pid: int | str) -> list[bytes]:
-    """``/proc/PID/stat`` after the command name: state, ppid, …, start time at index 19."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return []
-    return stat[stat.rfind(b")") + 2 :].split()
-
-
-def _descendants(pid: int) -> list[tuple[int, bytes]]:
-    """Every process below ``pid``, with its start time (Linux ``/proc``; elsewhere none)."""
-    children: dict[int, list[tuple[int, bytes]]] = {}
-    with contextlib.suppress(OSError):
-        for entry in os.listdir("/proc"):
-            fields = _stat(entry) if entry.isdigit() else []
-            if len(fields) > 19:
-                children.setdefault(int(fields[1]), []).append((int(entry), fields[19]))
-    out: list[tuple[int, bytes]] = []
-    todo = [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child[0])
-    return out
 
 
 class ServeError(Exception):
@@ -109,10 +48,8 @@ class ServeError(Exception):
 @dataclass
 class _Child:
     spec: ProcessSpec
-    process: subprocess.Popen[bytes]
+    process: Process
     color: str
-    tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=20))
-    reader: threading.Thread | None = None
 
 
 class Supervisor:
@@ -141,7 +78,6 @@ class Supervisor:
         self._dir: tempfile.TemporaryDirectory[str] | None = None
         self._stop = threading.Event()
         self.failed: ServeError | None = None
-        self._preexec = die_with_parent()
 
     # -- starting ------------------------------------------------------------------------------
     def _argv(self, spec: ProcessSpec, config_dir: str) -> list[str]:
@@ -164,68 +100,40 @@ class Supervisor:
             raise
 
     def _spawn(self, spec: ProcessSpec, argv: list[str], color: str) -> None:
-        env = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1"}
-        try:
-            process = subprocess.Popen(
-                argv,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                # PR_SET_PDEATHSIG fires when the starting *thread* ends: only from the main
-                # thread, whose end is the process's
-                preexec_fn=(
-                    self._preexec if threading.current_thread() is threading.main_thread() else None
-                ),
-            )
-        except OSError as exc:
-            raise ServeError(spec.name, f"cannot start {argv[0]!r}: {exc}") from exc
-        child = _Child(spec, process, color)
-        child.reader = threading.Thread(target=self._pump, args=(child,), daemon=True)
-        child.reader.start()
-        self.children.append(child)
-
-    def _pump(self, child: _Child) -> None:
-        stream: IO[bytes] | None = child.process.stdout
-        if stream is None:
-            return
-        for raw in iter(stream.readline, b""):
-            line = raw.decode(errors="replace").rstrip()
-            child.tail.append(line)
+        def show(line: str) -> None:
             if self.console is not None:
-                prefix = Text(f"{child.spec.name:>10} | ", style=child.color)
+                prefix = Text(f"{spec.name:>10} | ", style=color)
                 self.console.print(prefix + Text(line), soft_wrap=True, highlight=False)
-        stream.close()
+
+        try:
+            process = spawn(argv, name=spec.name, env=spec.env, on_line=show)
+        except ProcessError as exc:
+            raise ServeError(spec.name, exc.message) from exc
+        self.children.append(_Child(spec, process, color))
 
     def _dead(self, child: _Child) -> ServeError:
-        code = child.process.returncode
-        last = "\n".join(list(child.tail)[-5:])
-        message = f"exited with code {code}" + (f"; last output:\n{last}" if last else "")
-        return ServeError(child.spec.name, message, code=code)
+        exc = child.process.error()
+        return ServeError(child.spec.name, exc.message, code=exc.code)
 
     def _wait_healthy(self, child: _Child) -> None:
-        deadline = time.monotonic() + self.startup_timeout_s
         status = (
             self.console.status(f"waiting for {child.spec.name} ({child.spec.health_url})")
             if self.console is not None
             else contextlib.nullcontext()
         )
-        with status, httpx.Client(trust_env=False) as client:
-            while time.monotonic() < deadline:
-                if child.process.poll() is not None:
-                    if self._stop.is_set():
-                        raise ServeError(child.spec.name, "interrupted while starting")
-                    raise self._dead(child)
-                with contextlib.suppress(httpx.HTTPError):
-                    if client.get(child.spec.health_url, timeout=2.0).status_code == 200:
-                        if self.console is not None:
-                            self.console.print(
-                                f"[green]✓[/] {child.spec.name} is up ({child.spec.health_url})"
-                            )
-                        return
-                if self._stop.wait(0.2):
-                    raise ServeError(child.spec.name, "interrupted while starting")
-        raise ServeError(child.spec.name, f"not healthy after {self.startup_timeout_s:.0f}s")
+        with status:
+            try:
+                child.process.wait_ready(
+                    health_url=child.spec.health_url,
+                    timeout_s=self.startup_timeout_s,
+                    interval_s=0.2,
+                    interrupt=self._stop,
+                )
+            except ProcessError as exc:
+                message = exc.reason if exc.interrupted else exc.message
+                raise ServeError(child.spec.name, message, code=exc.code) from None
+        if self.console is not None:
+            self.console.print(f"[green]✓[/] {child.spec.name} is up ({child.spec.health_url})")
 
     # -- running -------------------------------------------------------------------------------
     def request_stop(self, signum: int | None = None, frame: FrameType | None = None) -> None:
@@ -236,7 +144,7 @@ class Supervisor:
         """Until a signal or a child's exit: 0 after a signal, 1 when a child died."""
         while not self._stop.wait(0.2):
             for child in self.children:
-                if child.process.poll() is not None:
+                if child.process.returncode is not None:
                     if self._stop.wait(0.5):
                         return 0  # Ctrl-C reached the child too, and it was first to act
                     self.failed = self._dead(child)
@@ -257,31 +165,10 @@ class Supervisor:
     def stop(self) -> None:
         """Stop every process, router first, prefill last."""
         for child in reversed(self.children):
-            self._terminate(child)
-        for child in self.children:
-            if child.reader is not None:
-                child.reader.join(timeout=2)
+            child.process.stop(self.grace_s)
         if self._dir is not None:
             self._dir.cleanup()
             self._dir = None
-
-    def _terminate(self, child: _Child) -> None:
-        if child.process.poll() is not None:
-            return
-        below = _descendants(child.process.pid)
-        with contextlib.suppress(ProcessLookupError):
-            child.process.send_signal(signal.SIGTERM)
-        try:
-            child.process.wait(self.grace_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                child.process.kill()
-            child.process.wait()
-        for pid, started in below:  # what it started and left behind (the same process)
-            fields = _stat(pid)
-            if len(fields) > 19 and fields[19] == started:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGKILL)
 
     def __enter__(self) -> Supervisor:
         self.start()

@@ -1,66 +1,34 @@
-"""Start simulator instances as real processes on loopback (demo, e2e tests, benchmarks)."""
+"""Start simulator instances as real processes on loopback (demo, e2e tests, benchmarks).
+
+The processes are :class:`agentkv.procs.Process` objects: output kept (a failure to start shows
+the last lines), SIGTERM then SIGKILL on stop, and each dies with the process that started it.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
-import socket
-import subprocess
+import functools
 import sys
-import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
-import httpx
+from agentkv.procs import Process, ProcessError, free_port, spawn, start_on_free_port
 
-__all__ = ["SimProcess", "free_port", "start_sim"]
+__all__ = ["SimProcess", "free_port", "start_sim", "start_sims"]
 
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+SimProcess = Process
+"""One ``agentkv sim`` process (``process`` is its ``Popen``, ``url`` its root URL)."""
 
 
-@dataclass
-class SimProcess:
-    """One ``agentkv sim`` process."""
-
-    process: subprocess.Popen[bytes]
-    port: int
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def stop(self, timeout_s: float = 10.0) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
+def _argv(argv: Sequence[str], port: int) -> list[str]:
+    return [sys.executable, "-m", "agentkv", "sim", "--port", str(port), *argv]
 
 
-def _wait_healthy(sim: SimProcess, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    with httpx.Client(trust_env=False) as client:
-        while time.monotonic() < deadline:
-            if sim.process.poll() is not None:
-                raise RuntimeError(
-                    f"agentkv sim on port {sim.port} exited with {sim.process.returncode}"
-                )
-            with contextlib.suppress(httpx.HTTPError):
-                if client.get(f"{sim.url}/health", timeout=1.0).status_code == 200:
-                    return
-            time.sleep(0.1)
-    sim.stop()
-    raise TimeoutError(f"agentkv sim on port {sim.port} not healthy after {timeout_s:.0f}s")
+def _name(port: int) -> str:
+    return f"agentkv sim on port {port}"
+
+
+def _echo(line: str) -> None:
+    print(line, flush=True)
 
 
 @contextlib.contextmanager
@@ -84,18 +52,33 @@ def start_sims(
     timeout_s: float = 60.0,
     quiet: bool = True,
 ) -> list[SimProcess]:
-    """Start several simulators at once and wait until all are healthy."""
+    """Start several simulators at once and wait until all are healthy.
+
+    Each is on ``ports[i]``, or on a free port; one on a free port that exits while starting
+    (the port was taken before it could bind) is started again on another. Raises
+    :class:`agentkv.procs.ProcessError` (a ``RuntimeError``) with the simulator's last output
+    lines when one exits or is not healthy in ``timeout_s``; none is left running then.
+    """
+    on_line = None if quiet else _echo
     sims: list[SimProcess] = []
-    out = subprocess.DEVNULL if quiet else None
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     try:
         for i, argv in enumerate(argvs):
             port = ports[i] if ports else free_port()
-            cmd = [sys.executable, "-m", "agentkv", "sim", "--port", str(port), *argv]
-            proc = subprocess.Popen(cmd, stdout=out, stderr=out, env=env)
-            sims.append(SimProcess(proc, port))
-        for sim in sims:
-            _wait_healthy(sim, timeout_s)
+            sims.append(spawn(_argv(argv, port), name=_name(port), port=port, on_line=on_line))
+        for i, sim in enumerate(sims):
+            try:
+                sim.wait_ready(health_url=f"{sim.url}/health", timeout_s=timeout_s)
+            except ProcessError as exc:
+                if ports or not exc.port_taken:
+                    raise
+                sim.stop()
+                sims[i] = start_on_free_port(
+                    functools.partial(_argv, argvs[i]),
+                    name="agentkv sim",
+                    on_line=on_line,
+                    timeout_s=timeout_s,
+                    attempts=2,
+                )
     except BaseException:
         for sim in sims:
             sim.stop()

@@ -490,7 +490,7 @@ def _profile(tmp: Path) -> tuple[Path, int]:
 
 
 def _tree(pid: int) -> list[int]:
-    from agentkv.serve.supervisor import _descendants
+    from agentkv.procs import _descendants
 
     return [p for p, _ in _descendants(pid)]
 
