@@ -43,6 +43,7 @@ from typing import IO
 __all__ = [
     "Process",
     "ProcessError",
+    "descendants",
     "die_with_parent",
     "free_port",
     "http_ok",
@@ -126,6 +127,11 @@ def _descendants(pid: int) -> list[tuple[int, bytes]]:
             out.append(child)
             todo.append(child[0])
     return out
+
+
+def descendants(pid: int) -> list[int]:
+    """The ids of every process below ``pid`` now (Linux ``/proc``; elsewhere empty)."""
+    return [child for child, _ in _descendants(pid)]
 
 
 class ProcessError(RuntimeError):

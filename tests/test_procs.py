@@ -128,9 +128,9 @@ def test_a_new_session_is_stopped_as_a_group() -> None:
     p = procs.spawn([sys.executable, "-c", code], new_session=True)
     assert os.getpgid(p.pid) == p.pid
     deadline = time.monotonic() + 10
-    while len(procs._descendants(p.pid)) < 1 and time.monotonic() < deadline:
+    while len(procs.descendants(p.pid)) < 1 and time.monotonic() < deadline:
         time.sleep(0.05)
-    (sleeper, _), *_ = procs._descendants(p.pid)
+    sleeper, *_ = procs.descendants(p.pid)
     p.stop()
     deadline = time.monotonic() + 5
     while alive(sleeper) and time.monotonic() < deadline:

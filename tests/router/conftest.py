@@ -4,12 +4,12 @@ import contextlib
 import os
 import shutil
 import socket
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from agentkv import procs
 
 _INSTALL = "apt-get install -y redis-server (or see .ci/run)"
 
@@ -21,14 +21,9 @@ def _unavailable(reason: str) -> None:
     pytest.skip(reason)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def _ping(port: int) -> bool:
+def _ping(port: int | None) -> bool:
+    if port is None:
+        return False
     with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5) as s:
         s.settimeout(0.5)
         s.sendall(b"PING\r\n")
@@ -36,38 +31,49 @@ def _ping(port: int) -> bool:
     return False
 
 
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(5)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+def _redis_argv(binary: str, workdir: Path, port: int) -> list[str]:
+    # fmt: off
+    return [
+        binary,
+        "--bind", "127.0.0.1", "--port", str(port), "--dir", str(workdir),
+        "--save", "", "--appendonly", "no", "--daemonize", "no",
+        "--protected-mode", "yes", "--loglevel", "warning",
+    ]
+    # fmt: on
 
 
-def _start(binary: str, workdir: Path) -> tuple[subprocess.Popen[bytes], int]:
-    """A redis-server on 127.0.0.1 on a free port, no persistence, its files in ``workdir``."""
-    log = workdir / "redis.log"
-    for _ in range(3):  # the free port can be taken between _free_port() and the bind
-        port = _free_port()
-        # fmt: off
-        argv = [
-            binary,
-            "--bind", "127.0.0.1", "--port", str(port), "--dir", str(workdir),
-            "--save", "", "--appendonly", "no", "--daemonize", "no",
-            "--protected-mode", "yes", "--loglevel", "warning", "--logfile", str(log),
-        ]
-        # fmt: on
-        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and process.poll() is None:
-            if _ping(port):
-                return process, port
-            time.sleep(0.02)
-        _stop(process)
-    text = log.read_text(errors="replace") if log.exists() else "(no log)"
-    pytest.fail(f"redis-server would not start; its log:\n{text}", pytrace=False)
+def start_redis(
+    binary: str, workdir: Path, *, port: int | None = None, timeout_s: float = 10
+) -> procs.Process:
+    """A redis-server on 127.0.0.1, no persistence, its files and ``redis.log`` in ``workdir``:
+    on ``port``, or on a free port (another one when the port is taken before the bind); ready
+    (answers PING) when this returns. Raises :class:`agentkv.procs.ProcessError`."""
+    ready = lambda p: _ping(p.port)  # noqa: E731
+    if port is None:
+        return procs.start_on_free_port(
+            lambda port: _redis_argv(binary, workdir, port),
+            name="redis-server",
+            health_path=None,
+            ready=ready,
+            timeout_s=timeout_s,
+            log=lambda _: workdir / "redis.log",
+        )
+    return procs.start(
+        _redis_argv(binary, workdir, port),
+        name="redis-server",
+        port=port,
+        ready=ready,
+        timeout_s=timeout_s,
+        log=workdir / "redis.log",
+    )
+
+
+def _start(binary: str, workdir: Path) -> procs.Process:
+    """A redis-server on a free port (see :func:`start_redis`); a test failure if it will not."""
+    try:
+        return start_redis(binary, workdir)
+    except procs.ProcessError as exc:
+        pytest.fail(f"redis-server would not start: {exc}", pytrace=False)
 
 
 @pytest.fixture(scope="session")
@@ -81,8 +87,5 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     except ImportError:
         _unavailable('the redis client library is not installed: pip install -e ".[dev]"')
     assert binary is not None
-    process, port = _start(binary, tmp_path_factory.mktemp("redis"))
-    try:
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        _stop(process)
+    with _start(binary, tmp_path_factory.mktemp("redis")) as server:
+        yield f"redis://127.0.0.1:{server.port}/0"

@@ -4,11 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
-import subprocess
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,66 +12,34 @@ from typing import Any
 
 import httpx
 
+from agentkv.procs import Process, start_on_free_port
 from agentkv.promtext import parse_metrics
-from agentkv.sim.launch import SimProcess, free_port, start_sims
+from agentkv.sim.launch import SimProcess, start_sims
+
+RouterProcess = Process
+"""An ``agentkv router`` process: ``url``, ``port``, ``log_path`` (``tmp/router-PORT.log``)."""
 
 
-@dataclass
-class RouterProcess:
-    process: subprocess.Popen[bytes]
-    port: int
-    log: Any = None
+def start_router(
+    config: dict[str, Any],
+    tmp: Path,
+    *,
+    args: Sequence[str] = (),
+    log_level: str = "warning",
+    timeout_s: float = 30,
+) -> RouterProcess:
+    """``agentkv router`` with ``config`` (its port and a 0.5 s health interval added) on a free
+    port, its config and log in ``tmp``; ready when this returns."""
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+    def argv(port: int) -> list[str]:
+        path = tmp / f"router-{port}.json"
+        path.write_text(json.dumps({**config, "port": port, "health_interval_s": 0.5}))
+        cmd = [sys.executable, "-m", "agentkv", "router", "--config", str(path)]
+        return [*cmd, "--port", str(port), "--log-level", log_level, *args]
 
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        if self.log is not None:
-            self.log.close()
-
-
-def start_router(config: dict[str, Any], tmp: Path, *, timeout_s: float = 30) -> RouterProcess:
-    port = free_port()
-    path = tmp / f"router-{port}.json"
-    path.write_text(json.dumps({**config, "port": port, "health_interval_s": 0.5}))
-    log = open(tmp / f"router-{port}.log", "wb")  # noqa: SIM115 - kept open for the process
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "agentkv",
-            "router",
-            "--config",
-            str(path),
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-        ],
-        stdout=log,
-        stderr=log,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    return start_on_free_port(
+        argv, name="router", log=lambda port: tmp / f"router-{port}.log", timeout_s=timeout_s
     )
-    router = RouterProcess(proc, port, log)
-    deadline = time.monotonic() + timeout_s
-    with httpx.Client(trust_env=False) as client:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError((tmp / f"router-{port}.log").read_text())
-            with contextlib.suppress(httpx.HTTPError):
-                if client.get(f"{router.url}/health", timeout=1).status_code == 200:
-                    return router
-            time.sleep(0.1)
-    router.stop()
-    raise TimeoutError("router not healthy")
 
 
 @dataclass

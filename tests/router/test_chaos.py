@@ -32,7 +32,6 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -44,7 +43,7 @@ import httpx
 import orjson
 import pytest
 import redis
-from conftest import _ping, _start, _stop
+from conftest import _start, start_redis
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -149,31 +148,19 @@ class Chaos:
 
     # redis
     def redis_up(self) -> bool:
-        return self.redis_proc is not None and self.redis_proc.poll() is None
+        return self.redis_proc is not None and self.redis_proc.returncode is None
 
     def stop_redis(self) -> None:
         if self.redis_proc is not None:
-            _stop(self.redis_proc)
+            self.redis_proc.stop(5)
             self.redis_proc = None
 
     def start_redis(self) -> None:
         if self.redis_up():
             return
-        # fmt: off
-        argv = [
-            self.redis_bin,
-            "--bind", "127.0.0.1", "--port", str(self.redis_port), "--dir", str(self.redis_dir),
-            "--save", "", "--appendonly", "no", "--daemonize", "no",
-            "--protected-mode", "yes", "--loglevel", "warning",
-        ]
-        # fmt: on
-        self.redis_proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL
+        self.redis_proc = start_redis(
+            self.redis_bin, self.redis_dir, port=self.redis_port, timeout_s=20
         )
-        deadline = time.monotonic() + 20
-        while not _ping(self.redis_port):
-            assert time.monotonic() < deadline, "redis-server did not come back"
-            time.sleep(0.05)
 
     # engines
     def restart_decode(self, i: int) -> None:
@@ -284,7 +271,8 @@ def chaos(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chaos]:
             pytest.fail("redis-server is not installed; CI must run the chaos test")
         pytest.skip("redis-server is not installed")
     tmp = tmp_path_factory.mktemp("chaos")
-    proc, port = _start(binary, tmp)
+    proc = _start(binary, tmp)
+    port = proc.port
     c: Chaos | None = None
     try:
         router = {
@@ -313,7 +301,7 @@ def chaos(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chaos]:
                 c.http.close()
                 c.redis.close()
     finally:
-        _stop(proc)
+        proc.stop(5)
         if c is not None:
             c.stop_redis()
 

@@ -4,11 +4,9 @@ routers and ``agentkv serve`` on loopback. Each test is one row of docs/reliabil
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -19,8 +17,10 @@ import httpx
 import orjson
 import pytest
 from stack import RouterProcess, Stack, stack
+from stack import start_router as stack_router
 
 import agentkv
+from agentkv import procs
 from agentkv.promtext import parse_metrics
 from agentkv.sim.launch import free_port
 
@@ -42,34 +42,11 @@ def start_router(
     config: dict[str, Any], tmp: Path, *, args: tuple[str, ...] = (), timeout_s: float = 30
 ) -> RouterProcess:
     """``agentkv router`` with its log at INFO (and any other flags) in ``tmp``."""
-    port = free_port()
-    path = tmp / f"router-{port}.json"
-    path.write_text(json.dumps({**config, "port": port, "health_interval_s": 0.5}))
-    log = open(tmp / f"router-{port}.log", "wb")  # noqa: SIM115 - kept open for the process
-    argv = [sys.executable, "-m", "agentkv", "router", "--config", str(path), "--port", str(port)]
-    proc = subprocess.Popen(
-        [*argv, "--log-level", "info", *args],
-        stdout=log,
-        stderr=log,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    router = RouterProcess(proc, port, log)
-    deadline = time.monotonic() + timeout_s
-    with httpx.Client(trust_env=False) as client:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError((tmp / f"router-{port}.log").read_text())
-            with contextlib.suppress(httpx.HTTPError):
-                if client.get(f"{router.url}/health", timeout=1).status_code == 200:
-                    return router
-            time.sleep(0.1)
-    router.stop()
-    raise TimeoutError("router not healthy")
+    return stack_router(config, tmp, args=args, log_level="info", timeout_s=timeout_s)
 
 
 def log_text(router: RouterProcess) -> str:
-    router.log.flush()
-    return Path(router.log.name).read_text(errors="replace")
+    return router.log_text()
 
 
 def rss_mib(pid: int) -> float:
@@ -490,9 +467,7 @@ def _profile(tmp: Path) -> tuple[Path, int]:
 
 
 def _tree(pid: int) -> list[int]:
-    from agentkv.procs import _descendants
-
-    return [p for p, _ in _descendants(pid)]
+    return procs.descendants(pid)
 
 
 def _alive(pid: int) -> bool:
@@ -507,33 +482,24 @@ def _alive(pid: int) -> bool:
 @pytest.mark.parametrize("how", ["sigkill-supervisor", "ctrl-c-group"])
 def test_serve_children_die_with_the_supervisor(tmp_path, how):
     profile, port = _profile(tmp_path)
-    log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115
-    serve = subprocess.Popen(
+    # the test is the "shell": the supervisor in a process group of its own
+    serve = procs.spawn(
         [sys.executable, "-m", "agentkv", "serve", str(profile)],
-        stdout=log,
-        stderr=log,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,  # the test is the "shell": its own process group
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        name="serve",
+        log=tmp_path / "serve.log",
+        new_session=True,
     )
     children: list[int] = []
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert serve.poll() is None, (tmp_path / "serve.log").read_text()
-            assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            time.sleep(0.2)
+        serve.wait_ready(health_url=f"http://127.0.0.1:{port}/health", timeout_s=90, interval_s=0.2)
         children = _tree(serve.pid)
         assert len(children) >= 3, children  # prefill, decode, router
         started = time.monotonic()
         if how == "sigkill-supervisor":
-            serve.kill()
+            serve.process.kill()
         else:
             os.killpg(serve.pid, signal.SIGINT)
-        serve.wait(30)
+        serve.process.wait(30)
         while any(_alive(p) for p in children) and time.monotonic() - started < 10:
             time.sleep(0.05)
         gone_s = time.monotonic() - started
@@ -542,10 +508,7 @@ def test_serve_children_die_with_the_supervisor(tmp_path, how):
         assert gone_s < 5
         print(f"\n{how}: {len(children)} children gone in {gone_s:.2f} s")
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(serve.pid, signal.SIGKILL)
+        serve.stop(timeout_s=0)  # its whole group, at once
         for p in children:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p, signal.SIGKILL)
-        serve.wait(10)
-        log.close()

@@ -6,14 +6,13 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import httpx
 import orjson
 import pytest
-from conftest import _ping, _start, _stop
+from conftest import _start, start_redis
 from stack import stack
 from test_router_e2e import NO_P_CACHE, SYSTEM, TOOLS, agent_turns, client
 
@@ -229,7 +228,8 @@ def test_redis_dying_under_traffic_costs_reuse_not_answers(tmp_path: Path):
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.skip("redis-server is not installed")
-    process, port = _start(binary, tmp_path)
+    process = _start(binary, tmp_path)
+    port = process.port
     url = f"redis://127.0.0.1:{port}/0"
     try:
         with stack(tmp_path, p_args=NO_P_CACHE, router={"store": url, "store_open_s": 0.5}) as s:
@@ -237,7 +237,7 @@ def test_redis_dying_under_traffic_costs_reuse_not_answers(tmp_path: Path):
             statuses: list[int] = []
             for i in range(6):
                 statuses.append(exact(s, f"r{i}", ids).status_code)
-            _stop(process)
+            process.stop(5)
             for i in range(12):
                 r = exact(s, f"r{i % 6}", ids)
                 statuses.append(r.status_code)
@@ -246,7 +246,7 @@ def test_redis_dying_under_traffic_costs_reuse_not_answers(tmp_path: Path):
             metrics = httpx.get(f"{s.router.url}/metrics").text
             assert "agentkv_router_store_errors_total" in metrics
             # Redis is back on the same port: reuse resumes on fresh connections
-            process = _restart(binary, tmp_path, port)
+            process = start_redis(binary, tmp_path, port=port)
             time.sleep(1.0)
             for i in range(6):
                 statuses.append(exact(s, f"back{i}", ids).status_code)
@@ -255,28 +255,7 @@ def test_redis_dying_under_traffic_costs_reuse_not_answers(tmp_path: Path):
             assert httpx.get(f"{s.router.url}/health").json()["store"] == "ok"
             assert set(statuses) == {200}
     finally:
-        _stop(process)
-
-
-def _restart(binary: str, workdir: Path, port: int) -> subprocess.Popen[bytes]:
-    argv = [
-        binary,
-        "--bind",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dir",
-        str(workdir),
-        "--save",
-        "",
-        "--appendonly",
-        "no",
-    ]
-    process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not _ping(port):
-        time.sleep(0.05)
-    return process
+        process.stop(5)
 
 
 def test_one_tenants_conversations_never_evict_another_tenants_handle(tmp_path):

@@ -14,7 +14,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -26,6 +25,7 @@ import pytest
 from stack import Stack, stack
 
 import agentkv
+from agentkv import procs
 
 pytestmark = pytest.mark.e2e
 
@@ -41,13 +41,6 @@ def _unavailable(reason: str) -> None:
     if os.environ.get("CI"):
         pytest.fail(f"{reason}; CI must run the Prometheus dashboard test", pytrace=False)
     pytest.skip(reason)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _host(url: str) -> str:
@@ -87,46 +80,25 @@ def prometheus(config: str, workdir: Path) -> Iterator[str]:
     assert binary is not None
     path = workdir / "prometheus.yml"
     path.write_text(config)
-    log_path = workdir / "prometheus.log"
-    for _ in range(3):  # the free port can be taken between _free_port() and the bind
-        port = _free_port()
-        with open(log_path, "wb") as log:
-            process = subprocess.Popen(
-                [
-                    binary,
-                    f"--config.file={path}",
-                    f"--storage.tsdb.path={workdir / 'data'}",
-                    f"--web.listen-address=127.0.0.1:{port}",
-                    "--log.level=warn",
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-            )
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        ready = False
-        while time.monotonic() < deadline and process.poll() is None:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/-/ready", timeout=1).status_code == 200:
-                    ready = True
-                    break
-            time.sleep(0.1)
-        if ready:
-            try:
-                yield url
-            finally:
-                process.terminate()
-                try:
-                    process.wait(10)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
-            return
-        if process.poll() is None:
-            process.kill()
-        process.wait()
-    pytest.fail(f"prometheus would not start; its log:\n{log_path.read_text()}", pytrace=False)
+    argv = lambda port: [  # noqa: E731
+        binary,
+        f"--config.file={path}",
+        f"--storage.tsdb.path={workdir / 'data'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+        "--log.level=warn",
+    ]
+    try:
+        server = procs.start_on_free_port(
+            argv,
+            name="prometheus",
+            health_path="/-/ready",
+            timeout_s=30,
+            log=lambda _: workdir / "prometheus.log",
+        )
+    except procs.ProcessError as exc:
+        pytest.fail(f"prometheus would not start: {exc}", pytrace=False)
+    with server:
+        yield server.url
 
 
 def drive(s: Stack) -> None:
