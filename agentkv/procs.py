@@ -27,6 +27,7 @@ import contextlib
 import ctypes
 import http.client
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -35,7 +36,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO
@@ -46,6 +47,7 @@ __all__ = [
     "descendants",
     "die_with_parent",
     "free_port",
+    "free_port_range",
     "http_ok",
     "spawn",
     "start",
@@ -64,6 +66,27 @@ def free_port(host: str = "127.0.0.1") -> int:
         s.bind((host, 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def free_port_range(count: int, *, avoid: Collection[int] = ()) -> int:
+    """A port B such that B, B+1, …, B+count-1 on 127.0.0.1 are all free now (bound together,
+    with ``SO_REUSEADDR`` as servers bind) and none is in ``avoid``; from 20000 to 60000.
+    Raises RuntimeError when 200 tries find none."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 60000 - count)
+        if avoid and any(p in avoid for p in range(base, base + count)):
+            continue
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(base, base + count):
+                    s = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return base
+    raise RuntimeError(f"found no {count} consecutive free ports on 127.0.0.1")
 
 
 def http_ok(url: str, timeout_s: float = 2.0) -> bool:
@@ -188,6 +211,8 @@ class Process:
         self._own_log = own_log
         self._tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
         self._reader: threading.Thread | None = None
+        self.on_stop: list[Callable[[], None]] = []
+        """Called by :meth:`stop` once the child has exited (e.g. to remove its config)."""
 
     # -- facts ---------------------------------------------------------------------------------
     @property
@@ -295,6 +320,8 @@ class Process:
         if self._own_log and self.log_path is not None:
             with contextlib.suppress(OSError):
                 self.log_path.unlink()
+        while self.on_stop:
+            self.on_stop.pop()()
         return self.process.returncode
 
     def __enter__(self) -> Process:

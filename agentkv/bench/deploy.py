@@ -14,19 +14,13 @@ compressed the same way, so that a gap decides reuse exactly as it would at full
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-import socket
-import subprocess
-import sys
-import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
+from agentkv import procs
 
 __all__ = ["CHATML_TEMPLATE", "P_MARGIN_FLOOR_S", "Stack", "compressed_ttls", "local_stack"]
 
@@ -34,8 +28,6 @@ CHATML_TEMPLATE = Path(__file__).with_name("chatml.jinja")
 """Plain ChatML: re-rendered history is token-identical to the exact history (Qwen3's own
 template drops earlier answers' think blocks when it re-renders, so every rewrite would differ
 from the first answer on)."""
-
-_ROUTER = (sys.executable, "-m", "agentkv", "router")
 
 P_MARGIN_FLOOR_S = 6.0
 """Smallest real margin between the router's TTL and D's: P's 5 s expiry margin + 1 s."""
@@ -80,65 +72,22 @@ def compressed_ttls(
     return decoder, decoder - router_ttl, router_ttl
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def _free_range(count: int, taken: set[int]) -> int:
-    """A base port with ``count`` free ports after it."""
-    for _ in range(200):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            base: int = s.getsockname()[1]
-        ports = range(base, base + count)
-        if base + count < 65535 and not taken & set(ports) and all(map(_port_free, ports)):
-            taken.update(ports)
-            return base
-    raise RuntimeError("no free port range on 127.0.0.1")
-
-
-def _wait_health(url: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    with httpx.Client(trust_env=False) as client:
-        while time.monotonic() < deadline:
-            if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"{url}: the process exited with {proc.returncode}")
-            with contextlib.suppress(httpx.HTTPError):
-                if client.get(f"{url}/health", timeout=2.0).status_code == 200:
-                    return
-            time.sleep(0.2)
-    raise TimeoutError(f"{url} not healthy after {timeout_s:.0f}s")
+    """A base port with ``count`` free ports after it, none of them in ``taken`` (which gets
+    them)."""
+    base = procs.free_port_range(count, avoid=taken)
+    taken.update(range(base, base + count))
+    return base
 
 
 @contextlib.contextmanager
 def start_router(config: dict[str, Any], *, timeout_s: float = 60.0) -> Iterator[str]:
-    """Run ``agentkv router`` with ``config`` on a free port; yields its root URL."""
-    port = _free_range(1, set())
-    with tempfile.TemporaryDirectory(prefix="agentkv-bench-") as tmp:
-        path = Path(tmp, "router.json")
-        path.write_text(json.dumps({**config, "port": port}))
-        proc = subprocess.Popen(
-            [*_ROUTER, "--config", str(path), "--port", str(port), "--log-level", "warning"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        url = f"http://127.0.0.1:{port}"
-        try:
-            _wait_health(url, timeout_s, proc)
-            yield url
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    """Run ``agentkv router`` with ``config`` on a free port (in a session of its own); yields
+    its root URL."""
+    from agentkv.serve.supervisor import start_router as router_process
+
+    with router_process(config, timeout_s=timeout_s, new_session=True) as router:
+        yield router.url
 
 
 @contextlib.contextmanager

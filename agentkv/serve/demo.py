@@ -21,15 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
-import random
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -38,11 +32,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 import agentkv
+from agentkv.procs import ProcessError, free_port_range
 from agentkv.promtext import parse_metrics
 from agentkv.serve import Deployment, ProfileError, check_runtime, expand, load_profile
 from agentkv.serve.checks import port_free
 from agentkv.serve.ports import engine_ports, with_ports
-from agentkv.serve.supervisor import ServeError, Supervisor
+from agentkv.serve.supervisor import ServeError, Supervisor, start_router
 
 __all__ = ["run_demo"]
 
@@ -270,13 +265,10 @@ def _running(deployment: Deployment) -> Deployment:
 
 def _free_base(count: int, avoid: int) -> int:
     """The first of ``count`` consecutive free ports (not ``avoid``)."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 60000 - count)
-        ports = range(base, base + count)
-        if avoid not in ports and all(port_free(p) for p in ports):
-            return base
-    raise DemoError(f"found no {count} consecutive free ports for the engines")
+    try:
+        return free_port_range(count, avoid=(avoid,))
+    except RuntimeError:
+        raise DemoError(f"found no {count} consecutive free ports for the engines") from None
 
 
 @contextlib.contextmanager
@@ -321,39 +313,13 @@ def _backend(profile: str = "local", port: int | None = None) -> Iterator[tuple[
 @contextlib.contextmanager
 def _unverified_router(deployment: Deployment) -> Iterator[str]:
     """A second router on the same engines with the example proxy's policy."""
-    from agentkv.sim.launch import free_port
-
-    port = free_port()
-    config = dict(deployment.router_config, port=port, reuse_policy="unverified")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp, "router.json")
-        path.write_text(json.dumps(config))
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "agentkv",
-                "router",
-                "--config",
-                str(path),
-                "--log-level",
-                "warning",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        try:
-            url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                        break
-                time.sleep(0.1)
-            yield f"{url}/v1"
-        finally:
-            proc.terminate()
-            proc.wait(10)
+    config = dict(deployment.router_config, reuse_policy="unverified")
+    try:
+        router = start_router(config, timeout_s=30)
+    except ProcessError as exc:
+        raise DemoError(f"could not start the unverified router: {exc}") from None
+    with router:
+        yield f"{router.url}/v1"
 
 
 def run_demo(

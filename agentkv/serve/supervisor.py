@@ -17,21 +17,24 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
+import sys
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from rich.console import Console
 from rich.text import Text
 
-from agentkv.procs import Process, ProcessError, spawn
+from agentkv.procs import Process, ProcessError, spawn, start_on_free_port
 from agentkv.serve import Deployment, ProcessSpec
 
-__all__ = ["ServeError", "Supervisor"]
+__all__ = ["ServeError", "Supervisor", "start_router"]
 
 _COLORS = ("cyan", "magenta", "green", "yellow", "blue", "bright_cyan", "bright_magenta")
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -176,3 +179,48 @@ class Supervisor:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def start_router(
+    config: Mapping[str, Any],
+    *,
+    workdir: Path | None = None,
+    args: Sequence[str] = (),
+    log_level: str = "warning",
+    timeout_s: float = 60.0,
+    new_session: bool = False,
+) -> Process:
+    """``agentkv router`` with ``config`` (its ``port`` set) on a free port of 127.0.0.1, ready
+    (``/health`` 200) when this returns; stop it with :meth:`Process.stop` or a ``with`` block.
+
+    The config file and the log are ``router-PORT.json`` and ``router-PORT.log`` in
+    ``workdir``, or in a private directory that stop removes. Raises
+    :class:`agentkv.procs.ProcessError` (with the router's last log lines).
+    """
+    own: tempfile.TemporaryDirectory[str] | None = None
+    if workdir is None:
+        own = tempfile.TemporaryDirectory(prefix="agentkv-router-")
+        workdir = Path(own.name)
+    where = workdir
+
+    def argv(port: int) -> list[str]:
+        path = where / f"router-{port}.json"
+        path.write_text(json.dumps({**config, "port": port}))
+        cmd = [sys.executable, "-m", "agentkv", "router", "--config", str(path)]
+        return [*cmd, "--port", str(port), "--log-level", log_level, *args]
+
+    try:
+        router = start_on_free_port(
+            argv,
+            name="router",
+            log=lambda port: where / f"router-{port}.log",
+            timeout_s=timeout_s,
+            new_session=new_session,
+        )
+    except BaseException:
+        if own is not None:
+            own.cleanup()
+        raise
+    if own is not None:
+        router.on_stop.append(own.cleanup)
+    return router

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
-import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,8 +10,9 @@ from typing import Any
 
 import httpx
 
-from agentkv.procs import Process, start_on_free_port
+from agentkv.procs import Process
 from agentkv.promtext import parse_metrics
+from agentkv.serve.supervisor import start_router as serve_router
 from agentkv.sim.launch import SimProcess, start_sims
 
 RouterProcess = Process
@@ -28,18 +27,10 @@ def start_router(
     log_level: str = "warning",
     timeout_s: float = 30,
 ) -> RouterProcess:
-    """``agentkv router`` with ``config`` (its port and a 0.5 s health interval added) on a free
-    port, its config and log in ``tmp``; ready when this returns."""
-
-    def argv(port: int) -> list[str]:
-        path = tmp / f"router-{port}.json"
-        path.write_text(json.dumps({**config, "port": port, "health_interval_s": 0.5}))
-        cmd = [sys.executable, "-m", "agentkv", "router", "--config", str(path)]
-        return [*cmd, "--port", str(port), "--log-level", log_level, *args]
-
-    return start_on_free_port(
-        argv, name="router", log=lambda port: tmp / f"router-{port}.log", timeout_s=timeout_s
-    )
+    """``agentkv router`` with ``config`` (and a 0.5 s health interval) on a free port, its
+    config and log (``router-PORT.log``) in ``tmp``; ready when this returns."""
+    config = {**config, "health_interval_s": 0.5}
+    return serve_router(config, workdir=tmp, args=args, log_level=log_level, timeout_s=timeout_s)
 
 
 @dataclass
