@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,83 +23,44 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from agentkv.procs import Process, start_on_free_port
 from agentkv.promtext import parse_metrics
-from agentkv.sim.launch import free_port
+from agentkv.serve.supervisor import start_router as serve_router
 
 ROOT = Path(__file__).resolve().parents[1]
 
 # -- processes ---------------------------------------------------------------------------------
 
 
-@dataclass
-class Proc:
-    """A server process started by a benchmark (router or naive proxy)."""
-
-    name: str
-    process: subprocess.Popen[bytes]
-    port: int
-    log_path: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+Proc = Process
+"""A server process started by a benchmark (router, proxy, relay floor): ``url``, ``pid``,
+``stop()``, its log at ``log_path``."""
 
 
 def start_process(
     name: str,
-    argv: Sequence[str],
-    port: int,
+    argv: Callable[[int], Sequence[str]],
     logdir: Path,
     *,
     health: str = "/health",
     python: str = sys.executable,
 ) -> Proc:
-    """Start ``python argv`` (stdout and stderr to a log file) and wait until ``health`` is 200."""
-    log_path = logdir / f"{name}-{port}.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [python, *argv],
-            stdout=log,
-            stderr=log,
-            cwd=ROOT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-    p = Proc(name, proc, port, log_path)
-    deadline = time.monotonic() + 60
-    with httpx.Client(trust_env=False) as client:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited:\n{log_path.read_text()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if client.get(f"{p.url}{health}", timeout=1).status_code == 200:
-                    return p
-            time.sleep(0.1)
-    p.stop()
-    raise TimeoutError(f"{name} not healthy after 60 s:\n{log_path.read_text()}")
+    """Start ``python *argv(port)`` on a free port (another one when the port was taken before
+    the bind), stdout and stderr to ``logdir/NAME-PORT.log``; ready when ``health`` is 200."""
+    return start_on_free_port(
+        lambda port: [python, *argv(port)],
+        name=name,
+        health_path=health,
+        log=lambda port: logdir / f"{name}-{port}.log",
+        cwd=ROOT,
+        timeout_s=60,
+    )
 
 
 def start_router(config: dict[str, Any], logdir: Path) -> Proc:
-    """``agentkv router --config FILE`` in its own process."""
-    port = free_port()
-    path = logdir / f"router-{port}.json"
-    path.write_text(json.dumps({**config, "host": "127.0.0.1", "port": port}))
-    # --port too: the CLI's --port default (8000) overrides the config file's port
-    argv = ["-m", "agentkv", "router", "--config", str(path), "--port", str(port)]
-    argv += ["--log-level", "warning"]
-    return start_process("router", argv, port, logdir)
+    """``agentkv router --config FILE`` in its own process (``router-PORT.json``/``.log`` in
+    ``logdir``)."""
+    return serve_router({**config, "host": "127.0.0.1"}, workdir=logdir)
 
 
 def exit_on_sigterm() -> None:

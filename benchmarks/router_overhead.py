@@ -34,9 +34,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -51,7 +53,8 @@ import orjson
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agentkv.sim.launch import free_port, start_sims
+from agentkv.procs import ProcessError, start_on_free_port
+from agentkv.sim.launch import start_sims
 from benchmarks._loadgen import (
     ROOT,
     Connection,
@@ -543,27 +546,26 @@ def summarize_profile(path: Path) -> list[str]:
 def start_router(
     cfg: dict[str, Any], logs: Path, server: str = "cli", name: str = "router"
 ) -> Proc:
-    port = free_port()
-    path = logs / f"{name}-{port}.json"
-    path.write_text(json.dumps({**cfg, "host": "127.0.0.1", "port": port}))
-    if server == "cli":
-        argv = ["-m", "agentkv", "router", "--config", str(path), "--port", str(port)]
-        argv += ["--log-level", "warning"]
-    else:
-        argv = ["-m", "benchmarks._serve_router", server, str(path)]
-    return start_process(name, argv, port, logs)
+    def argv(port: int) -> list[str]:
+        path = logs / f"{name}-{port}.json"
+        path.write_text(json.dumps({**cfg, "host": "127.0.0.1", "port": port}))
+        if server == "cli":
+            cmd = ["-m", "agentkv", "router", "--config", str(path), "--port", str(port)]
+            return [*cmd, "--log-level", "warning"]
+        return ["-m", "benchmarks._serve_router", server, str(path)]
+
+    return start_process(name, argv, logs)
 
 
 def start_vllm_proxy(python: str, p: str, d: str, logs: Path) -> Proc:
-    port = free_port()
     pp, dp = p.rsplit(":", 1)[1], d.rsplit(":", 1)[1]
-    argv = [
+    argv = lambda port: [  # noqa: E731
         str(VLLM_PROXY),
         *("--host", "127.0.0.1", "--port", str(port)),
         *("--prefiller-host", "127.0.0.1", "--prefiller-port", pp),
         *("--decoder-host", "127.0.0.1", "--decoder-port", dp),
     ]
-    return start_process("vllm-proxy", argv, port, logs, python=python)
+    return start_process("vllm-proxy", argv, logs, python=python)
 
 
 def main() -> None:
@@ -609,9 +611,8 @@ def main() -> None:
         }
         router = start_router(cfg, logs)
         vllm = start_vllm_proxy(args.vllm_proxy_python, p.url, d.url, logs)
-        fport = free_port()
         floor = start_process(
-            "floor", ["-m", "benchmarks._relay_floor", str(fport), p.url, d.url], fport, logs
+            "floor", lambda port: ["-m", "benchmarks._relay_floor", str(port), p.url, d.url], logs
         )
         procs += [router, vllm, floor]
         targets = [
@@ -677,35 +678,34 @@ def main() -> None:
 
 def profile(cfg: dict[str, Any], logs: Path, tokens: Tokens) -> list[str]:
     """py-spy (``record --format raw``) on a fresh router process, c=64, streamed."""
-    port = free_port()
-    path = logs / f"profiled-{port}.json"
-    path.write_text(json.dumps({**cfg, "host": "127.0.0.1", "port": port}))
     out = logs / "router.pyspy.txt"
     spy = str(Path(sys.executable).with_name("py-spy"))
-    argv = [spy, "record", "--format", "raw", "--rate", "200", "-o", str(out), "--"]
-    argv += [sys.executable, "-m", "agentkv", "router", "--config", str(path), "--port", str(port)]
-    argv += ["--log-level", "warning"]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
+
+    def argv(port: int) -> list[str]:
+        path = logs / f"profiled-{port}.json"
+        path.write_text(json.dumps({**cfg, "host": "127.0.0.1", "port": port}))
+        cmd = [spy, "record", "--format", "raw", "--rate", "200", "-o", str(out), "--"]
+        cmd += [sys.executable, "-m", "agentkv", "router", "--config", str(path)]
+        return [*cmd, "--port", str(port), "--log-level", "warning"]
+
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/health", timeout=1, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        proc = start_on_free_port(
+            argv, name="py-spy", log=lambda port: logs / f"profiled-{port}.log", cwd=ROOT
+        )
+    except ProcessError as exc:
+        return ["", f"py-spy did not run the router ({exc.reason}; ptrace not permitted?)."]
+    url = proc.url
+    try:
         results = []
         for kind, name in (("exact", "exact ids"), ("chat", "chat")):
             t = Target("prof", name, url, kind, None)
             asyncio.run(drive(t, STREAMED, 64, 128, f"prof-{kind}-{os.getpid()}", tokens))
             results.append(name)
     finally:
-        proc.send_signal(2)  # py-spy writes its file on SIGINT
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        proc.process.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.process.wait(30)
+        proc.stop()
     if not out.exists():
         return ["", "py-spy wrote no profile (ptrace not permitted?)."]
     return [
