@@ -49,6 +49,7 @@ __all__ = [
     "free_port",
     "free_port_range",
     "http_ok",
+    "log_contains",
     "spawn",
     "start",
     "start_on_free_port",
@@ -97,6 +98,12 @@ def http_ok(url: str, timeout_s: float = 2.0) -> bool:
             return bool(r.status == 200)
     except (OSError, http.client.HTTPException, ValueError):
         return False
+
+
+def log_contains(text: str) -> Callable[[Process], bool]:
+    """A ``ready`` check for :meth:`Process.wait_ready`: the child's output contains ``text``
+    (a line a server prints once it is up, e.g. ``agentkv serve``'s "ready: OpenAI base URL")."""
+    return lambda proc: text in proc.log_text()
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
@@ -249,9 +256,10 @@ class Process:
     def error(self, reason: str | None = None, **kw: bool) -> ProcessError:
         """A :class:`ProcessError` for this child: its exit code (or ``reason``) and last lines."""
         code = self.process.poll()
-        return ProcessError(
-            self.name, reason or f"exited with code {code}", code=code, tail=self.tail(), **kw
-        )
+        reason = reason or f"exited with code {code}"
+        if self.log_path is not None and not self._own_log:
+            reason += f" (log: {self.log_path})"
+        return ProcessError(self.name, reason, code=code, tail=self.tail(), **kw)
 
     # -- readiness -----------------------------------------------------------------------------
     def wait_ready(

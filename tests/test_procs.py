@@ -90,7 +90,8 @@ def test_an_early_exit_is_a_clear_error_with_the_log_tail(tmp_path: Path) -> Non
     assert time.monotonic() - started < 10  # seen as an exit, not waited out
     exc = info.value
     assert exc.code == 3 and exc.name == "early" and not exc.timed_out and not exc.port_taken
-    assert str(exc).startswith("early: exited with code 3; last output:\n")
+    log = tmp_path / "early.log"
+    assert str(exc).startswith(f"early: exited with code 3 (log: {log}); last output:\n")
     assert str(exc).endswith("bad flag --x") and "line 29" in str(exc) and "line 20" not in str(exc)
     assert exc.tail[-1] == "bad flag --x" and len(exc.tail) == 20
     assert (tmp_path / "early.log").read_text().startswith("line 0")  # a given log stays

@@ -13,23 +13,21 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import re
 import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from agentkv import procs
+from agentkv.procs import free_port, free_port_range
 from agentkv.serve import load_profile
-from agentkv.serve.checks import port_free
 from agentkv.serve.ports import engine_ports
-from agentkv.sim.launch import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -59,15 +57,6 @@ def snippets(text: str) -> list[tuple[int, str, str, bool]]:
     return out
 
 
-def free_range(count: int) -> int:
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 60000)
-        if all(port_free(p) for p in range(base, base + count)):
-            return base
-    raise AssertionError(f"no {count} consecutive free ports")
-
-
 def with_free_ports(code: str, router_port: int) -> str:
     mapping: dict[str, str] = {"8000": str(router_port)}
 
@@ -81,28 +70,20 @@ def with_free_ports(code: str, router_port: int) -> str:
 def serve_local(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     """``agentkv serve local`` on free ports, once it says it is ready: the router's port."""
     port = free_port()
-    base = free_range(engine_ports(load_profile("local")))
+    base = free_port_range(engine_ports(load_profile("local")))
     argv = ["serve", "local", "--port", str(port), "--base-port", str(base)]
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "agentkv", *argv], stdout=out, stderr=subprocess.STDOUT
-        )
-    try:
-        deadline = time.monotonic() + 120
-        while "OpenAI base URL" not in log.read_text():  # the engines are healthy too
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
+    # ready once it says so: the engines are healthy too
+    with procs.start(
+        [sys.executable, "-m", "agentkv", *argv],
+        name="agentkv serve local",
+        log=log,
+        ready=procs.log_contains("OpenAI base URL"),
+        timeout_s=120,
+    ) as serve:
         assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
         yield port
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        serve.stop(30)
 
 
 BLOCKS = snippets(README.read_text(encoding="utf-8"))

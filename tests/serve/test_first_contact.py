@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import json
 import os
-import random
-import signal
 import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -20,12 +17,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from agentkv import procs
+from agentkv.procs import free_port, free_port_range
 from agentkv.router.config import Backend
 from agentkv.serve import ProfileError, expand, load_profile
-from agentkv.serve.checks import port_free
 from agentkv.serve.ports import engine_ports, with_ports
 from agentkv.serve.setup import installer_path, setup_environ
-from agentkv.sim.launch import free_port
 
 
 def agentkv(*argv: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess[str]:
@@ -38,13 +35,15 @@ def agentkv(*argv: str, timeout: float = 60, **env: str) -> subprocess.Completed
     )
 
 
-def free_range(count: int) -> int:
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 60000)
-        if all(port_free(p) for p in range(base, base + count)):
-            return base
-    raise AssertionError(f"no {count} consecutive free ports")
+def serve_until_ready(argv: list[str], tmp: Path) -> procs.Process:
+    """``agentkv *argv`` (a serve), its output in ``tmp/serve.log``, once it says it is ready."""
+    return procs.start(
+        [sys.executable, "-m", "agentkv", *argv],
+        name="agentkv serve",
+        log=tmp / "serve.log",
+        ready=procs.log_contains("OpenAI base URL"),
+        timeout_s=120,
+    )
 
 
 # -- --port / --base-port ------------------------------------------------------------------------
@@ -81,31 +80,16 @@ def test_serve_dry_run_shows_the_ports() -> None:
 
 
 @pytest.mark.e2e
-def test_serve_local_on_given_ports() -> None:
-    port, base = free_port(), free_range(3)
+def test_serve_local_on_given_ports(tmp_path: Path) -> None:
+    port, base = free_port(), free_port_range(3)
     argv = ["serve", "local", "--port", str(port), "--base-port", str(base)]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "agentkv", *argv],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if "OpenAI base URL" in line:
-                break
-        assert f"http://127.0.0.1:{port}/v1" in "".join(lines), lines
+    with serve_until_ready(argv, tmp_path) as proc:
+        assert f"http://127.0.0.1:{port}/v1" in proc.log_text(), proc.tail()
         for engine in (base, base + 1):
             assert httpx.get(f"http://127.0.0.1:{engine}/health", timeout=5).status_code == 200
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).json()
         assert models["data"][0]["id"] == "agentkv-sim"
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=30)
-    assert proc.returncode == 0
+        assert proc.stop(30) == 0
 
 
 # -- agentkv demo on a taken port --------------------------------------------------------------
@@ -259,22 +243,10 @@ def test_demo_claims() -> None:
 def test_demo_uses_a_running_deployment_on_its_own_ports(tmp_path: Path) -> None:
     """`agentkv serve local --port R --base-port B`, then `agentkv demo --port R`: the demo
     uses it, its engines found through the router (not the profile's ports)."""
-    port, base = free_port(), free_range(3)
+    port, base = free_port(), free_port_range(3)
     argv = ["serve", "local", "--port", str(port), "--base-port", str(base)]
-    log = tmp_path / "serve.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "agentkv", *argv], stdout=out, stderr=subprocess.STDOUT
-        )
-    try:
-        deadline = time.monotonic() + 120
-        while "OpenAI base URL" not in log.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
+    with serve_until_ready(argv, tmp_path):
         r = agentkv("demo", "--port", str(port), timeout=300)
         assert r.returncode == 0, r.stdout + r.stderr
         assert f"using the local backend at http://127.0.0.1:{port}/v1" in r.stdout
         assert r.stdout.count("pull (trimmed)") == 2
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)

@@ -6,14 +6,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 import agentkv
-from agentkv.sim.launch import free_port
+from agentkv import procs
+from agentkv.procs import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -39,42 +39,28 @@ time_scale = 0
     return path
 
 
-def start_serve(profile: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "agentkv", "serve", str(profile)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"},
-    )
+def start_serve(profile: Path) -> procs.Process:
+    """``agentkv serve PROFILE``, its output in ``serve.log`` next to the profile."""
+    argv = [sys.executable, "-m", "agentkv", "serve", str(profile)]
+    log = profile.with_name("serve.log")
+    return procs.spawn(argv, name="agentkv serve", log=log, env={"COLUMNS": "200"})
 
 
-def stop(proc: subprocess.Popen[str]) -> None:
+def stop(proc: procs.Process) -> None:
     """SIGTERM lets serve stop its children; kill only if it does not."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-    elif proc.stdout is not None:
-        proc.stdout.close()
+    proc.stop(30)
 
 
-def wait_ready(proc: subprocess.Popen[str], timeout: float = 90) -> list[str]:
-    lines: list[str] = []
-    deadline = time.monotonic() + timeout
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if "ready" in line and "base URL" in line:
-            return lines
-    proc.kill()
-    raise AssertionError("serve never became ready:\n" + "".join(lines))
+def wait_ready(proc: procs.Process, timeout: float = 90) -> list[str]:
+    """Its output so far, once it says it is ready."""
+    proc.wait_ready(ready=procs.log_contains("ready: OpenAI base URL"), timeout_s=timeout)
+    return proc.log_text().splitlines(keepends=True)
+
+
+def finish(proc: procs.Process, timeout: float = 60) -> str:
+    """Its whole output, once it has exited."""
+    proc.process.wait(timeout)
+    return proc.log_text()
 
 
 def base_url(lines: list[str]) -> str:
@@ -107,8 +93,8 @@ def test_serve_runs_a_conversation_and_stops_cleanly(tmp_path):
                 conv.add_user(f"question {i}")
                 conv.create(max_tokens=80)
         assert [r.decision for r in conv.receipts] == ["miss", "pull", "pull"]
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
+        proc.process.send_signal(signal.SIGTERM)
+        out = finish(proc)
         assert proc.returncode == 0, out
         with pytest.raises(httpx.HTTPError):
             httpx.get(url.removesuffix("/v1") + "/health", timeout=1)
@@ -130,7 +116,7 @@ def test_a_dead_child_stops_serve_with_its_name(tmp_path):
             ).stdout.split()
         )
         os.kill(pid, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=60)
+        out = finish(proc)
         assert proc.returncode != 0
         assert "decode-0" in out and "exited" in out
     finally:

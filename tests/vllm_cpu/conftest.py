@@ -11,10 +11,7 @@ on, vLLM 0.33 streams, served as ``tiny``) on free ports.
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -25,10 +22,12 @@ import pytest
 from report import write_doc
 from scenarios import TIMINGS, VLLM_VERSION, Stack
 
+from agentkv import procs
 from agentkv.chat.tokenizer import cache_dir
+from agentkv.procs import free_port
 from agentkv.serve import expand, load_profile
+from agentkv.serve.supervisor import start_router
 from agentkv.serve.tiny_model import build_tiny_model
-from agentkv.sim.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,42 +42,18 @@ def conformance_doc() -> Iterator[None]:
         write_doc(ROOT / "docs" / "conformance.md")
 
 
-def serve(profile: str, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    out = open(log, "wb")  # noqa: SIM115 - owned by the process
-    proc = subprocess.Popen(
-        # vLLM on 2 busy cores can take minutes to answer /health
-        [sys.executable, "-m", "agentkv", "serve", profile, "--startup-timeout", "400"],
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, **env},
+def serve(profile: str, env: dict[str, str], log: Path) -> procs.Process:
+    # vLLM on 2 busy cores can take minutes to answer /health
+    argv = [sys.executable, "-m", "agentkv", "serve", profile, "--startup-timeout", "400"]
+    return procs.spawn(argv, name="agentkv serve", env=env, log=log)
+
+
+def ready(url: str, proc: procs.Process, timeout_s: float) -> None:
+    # the supervisor's own "ready" line: a port answering could be someone else's server
+    proc.wait_ready(
+        ready=procs.log_contains("ready: OpenAI base URL"), timeout_s=timeout_s, interval_s=1
     )
-    out.close()
-    return proc
-
-
-def ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(
-                f"agentkv serve exited {proc.returncode}:\n{log.read_text()[-4000:]}"
-            )
-        # the supervisor's own "ready" line: a port answering could be someone else's server
-        if "ready: OpenAI base URL" in log.read_text(errors="replace"):
-            httpx.get(f"{url}/health", timeout=5).raise_for_status()
-            return
-        time.sleep(1)
-    raise TimeoutError(f"not ready after {timeout_s}s:\n{log.read_text()[-4000:]}")
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    httpx.get(f"{url}/health", timeout=5).raise_for_status()
 
 
 def vllm_bin() -> str:
@@ -106,7 +81,7 @@ def real(tmp_path_factory: pytest.TempPathFactory, vllm_python: str) -> Iterator
     started = time.monotonic()
     proc = serve("cpu-tiny", env, log)
     try:
-        ready("http://127.0.0.1:8000", proc, log, timeout_s=900)
+        ready("http://127.0.0.1:8000", proc, timeout_s=900)
         TIMINGS["stack_ready_s"] = time.monotonic() - started
         stack = Stack(
             "http://127.0.0.1:8000", "http://127.0.0.1:8100", "http://127.0.0.1:8200", True
@@ -116,7 +91,7 @@ def real(tmp_path_factory: pytest.TempPathFactory, vllm_python: str) -> Iterator
             assert version.startswith(VLLM_VERSION), (url, version)
         yield stack
     finally:
-        stop(proc)
+        proc.stop(60)
 
 
 @pytest.fixture(scope="session")
@@ -147,15 +122,14 @@ time_scale = 0
     log = tmp / "serve.log"
     proc = serve(str(profile), {}, log)
     try:
-        ready(f"http://127.0.0.1:{ports[2]}", proc, log, timeout_s=120)
+        ready(f"http://127.0.0.1:{ports[2]}", proc, timeout_s=120)
         yield Stack(*(f"http://127.0.0.1:{p}" for p in (ports[2], ports[0], ports[1])), False)
     finally:
-        stop(proc)
+        proc.stop(60)
 
 
 def router_on(real: Stack, tmp: Path, **options: object) -> Iterator[str]:
     """A second router on the real engines (cpu-tiny's settings, plus ``options``)."""
-    port = free_port()
     config = dict(
         expand(
             load_profile(
@@ -163,27 +137,8 @@ def router_on(real: Stack, tmp: Path, **options: object) -> Iterator[str]:
             )
         ).router_config
     )
-    config |= {"port": port, **options}
-    path = tmp / "router.json"
-    path.write_text(json.dumps(config))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "agentkv", "router", "--config", str(path)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        yield url
-    finally:
-        stop(proc)  # type: ignore[arg-type]
+    with start_router({**config, **options}, workdir=tmp) as router:
+        yield router.url
 
 
 @pytest.fixture(scope="session")
