@@ -50,7 +50,6 @@ __all__ = [
     "free_port_range",
     "http_ok",
     "log_contains",
-    "spawn",
     "start",
     "start_on_free_port",
 ]
@@ -355,9 +354,12 @@ def _pump(proc: Process, stream: IO[bytes], on_line: Callable[[str], None]) -> N
     stream.close()
 
 
-def spawn(
+def start(
     argv: Sequence[str],
     *,
+    health_url: str | None = None,
+    ready: Callable[[Process], bool] | None = None,
+    timeout_s: float = 60.0,
     name: str | None = None,
     port: int | None = None,
     env: Mapping[str, str] | None = None,
@@ -367,9 +369,11 @@ def spawn(
     new_session: bool = False,
     parent_death: bool = True,
 ) -> Process:
-    """Start ``argv`` and return at once (no readiness wait).
+    """Start ``argv``; with ``health_url`` or ``ready``, return once it is ready
+    (:meth:`Process.wait_ready`), else at once (wait later with :meth:`Process.wait_ready`).
 
     Args:
+        health_url, ready, timeout_s: what ready means, and how long it may take.
         name: for messages (default: the program's file name).
         port: the port the child will listen on (for :attr:`Process.url`).
         env: set over this process's environment (with ``PYTHONUNBUFFERED=1``).
@@ -379,7 +383,8 @@ def spawn(
         parent_death: on Linux, from the main thread, SIGTERM to the child when this process
             dies (``PR_SET_PDEATHSIG``).
 
-    Raises :class:`ProcessError` when the program cannot be executed.
+    Raises :class:`ProcessError` when the program cannot be executed, or when it exits or
+    times out before it is ready; it is stopped then (the error has its last output lines).
     """
     name = name or Path(argv[0]).name
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
@@ -423,45 +428,12 @@ def spawn(
             target=_pump, args=(proc, popen.stdout, on_line), daemon=True, name=f"log-{name}"
         )
         proc._reader.start()
-    return proc
-
-
-def start(
-    argv: Sequence[str],
-    *,
-    health_url: str | None = None,
-    ready: Callable[[Process], bool] | None = None,
-    timeout_s: float = 60.0,
-    name: str | None = None,
-    port: int | None = None,
-    env: Mapping[str, str] | None = None,
-    log: Path | None = None,
-    on_line: Callable[[str], None] | None = None,
-    cwd: str | Path | None = None,
-    new_session: bool = False,
-    parent_death: bool = True,
-) -> Process:
-    """:func:`spawn` then :meth:`Process.wait_ready`: the child is ready when this returns.
-
-    When it fails to become ready it is stopped and :class:`ProcessError` raised (exit code or
-    timeout, and its last output lines).
-    """
-    proc = spawn(
-        argv,
-        name=name,
-        port=port,
-        env=env,
-        log=log,
-        on_line=on_line,
-        cwd=cwd,
-        new_session=new_session,
-        parent_death=parent_death,
-    )
-    try:
-        proc.wait_ready(health_url=health_url, ready=ready, timeout_s=timeout_s)
-    except BaseException:
-        proc.stop()
-        raise
+    if health_url is not None or ready is not None:
+        try:
+            proc.wait_ready(health_url=health_url, ready=ready, timeout_s=timeout_s)
+        except BaseException:
+            proc.stop()
+            raise
     return proc
 
 

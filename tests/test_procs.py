@@ -126,7 +126,7 @@ def test_what_the_child_left_behind_is_killed_too() -> None:
 
 def test_a_new_session_is_stopped_as_a_group() -> None:
     code = "import subprocess, sys, time; subprocess.Popen(['sleep', '60']); time.sleep(60)"
-    p = procs.spawn([sys.executable, "-c", code], new_session=True)
+    p = procs.start([sys.executable, "-c", code], new_session=True)
     assert os.getpgid(p.pid) == p.pid
     deadline = time.monotonic() + 10
     while len(procs.descendants(p.pid)) < 1 and time.monotonic() < deadline:
@@ -148,7 +148,7 @@ def test_a_child_not_ready_in_time_is_stopped() -> None:
 def test_an_interrupt_ends_the_wait() -> None:
     stop = threading.Event()
     port = procs.free_port()
-    p = procs.spawn(server("slow")(port), port=port)
+    p = procs.start(server("slow")(port), port=port)
     threading.Timer(0.3, stop.set).start()
     try:
         with pytest.raises(ProcessError, match="interrupted while starting") as info:
@@ -185,7 +185,7 @@ def test_a_lost_race_is_not_retried_forever() -> None:
 
 def test_a_missing_program_cannot_start() -> None:
     with pytest.raises(ProcessError, match="cannot start"):
-        procs.spawn(["/nonexistent/agentkv-no-such-program"])
+        procs.start(["/nonexistent/agentkv-no-such-program"])
 
 
 def test_the_child_dies_with_its_parent(tmp_path: Path) -> None:
@@ -194,7 +194,7 @@ def test_the_child_dies_with_its_parent(tmp_path: Path) -> None:
         f"""
         import pathlib, sys, time
         from agentkv import procs
-        p = procs.spawn([sys.executable, "-c", "import time; time.sleep(60)"])
+        p = procs.start([sys.executable, "-c", "import time; time.sleep(60)"])
         pathlib.Path({str(pidfile)!r}).write_text(str(p.pid))
         time.sleep(60)
         """

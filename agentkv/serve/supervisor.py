@@ -12,6 +12,9 @@
    it cleanly.
 5. Stop in reverse order (router first): SIGTERM, then SIGKILL after a grace period, to the
    process and to what it started (an engine's own workers).
+
+Each child is an :class:`agentkv.procs.Process`; :func:`start_router` runs one router the same
+way (the demo's and the bench's second router, the tests' routers).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from typing import Any
 from rich.console import Console
 from rich.text import Text
 
-from agentkv.procs import Process, ProcessError, spawn, start_on_free_port
+from agentkv.procs import Process, ProcessError, start, start_on_free_port
 from agentkv.serve import Deployment, ProcessSpec
 
 __all__ = ["ServeError", "Supervisor", "start_router"]
@@ -109,7 +112,7 @@ class Supervisor:
                 self.console.print(prefix + Text(line), soft_wrap=True, highlight=False)
 
         try:
-            process = spawn(argv, name=spec.name, env=spec.env, on_line=show)
+            process = start(argv, name=spec.name, env=spec.env, on_line=show)
         except ProcessError as exc:
             raise ServeError(spec.name, exc.message) from exc
         self.children.append(_Child(spec, process, color))

@@ -11,7 +11,7 @@ import functools
 import sys
 from collections.abc import Iterator, Sequence
 
-from agentkv.procs import Process, ProcessError, free_port, spawn, start_on_free_port
+from agentkv.procs import Process, ProcessError, free_port, start, start_on_free_port
 
 __all__ = ["SimProcess", "free_port", "start_sim", "start_sims"]
 
@@ -64,7 +64,7 @@ def start_sims(
     try:
         for i, argv in enumerate(argvs):
             port = ports[i] if ports else free_port()
-            sims.append(spawn(_argv(argv, port), name=_name(port), port=port, on_line=on_line))
+            sims.append(start(_argv(argv, port), name=_name(port), port=port, on_line=on_line))
         for i, sim in enumerate(sims):
             try:
                 sim.wait_ready(health_url=f"{sim.url}/health", timeout_s=timeout_s)

@@ -483,7 +483,7 @@ def _alive(pid: int) -> bool:
 def test_serve_children_die_with_the_supervisor(tmp_path, how):
     profile, port = _profile(tmp_path)
     # the test is the "shell": the supervisor in a process group of its own
-    serve = procs.spawn(
+    serve = procs.start(
         [sys.executable, "-m", "agentkv", "serve", str(profile)],
         name="serve",
         log=tmp_path / "serve.log",

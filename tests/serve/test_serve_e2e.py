@@ -43,7 +43,7 @@ def start_serve(profile: Path) -> procs.Process:
     """``agentkv serve PROFILE``, its output in ``serve.log`` next to the profile."""
     argv = [sys.executable, "-m", "agentkv", "serve", str(profile)]
     log = profile.with_name("serve.log")
-    return procs.spawn(argv, name="agentkv serve", log=log, env={"COLUMNS": "200"})
+    return procs.start(argv, name="agentkv serve", log=log, env={"COLUMNS": "200"})
 
 
 def stop(proc: procs.Process) -> None:

@@ -45,7 +45,7 @@ def conformance_doc() -> Iterator[None]:
 def serve(profile: str, env: dict[str, str], log: Path) -> procs.Process:
     # vLLM on 2 busy cores can take minutes to answer /health
     argv = [sys.executable, "-m", "agentkv", "serve", profile, "--startup-timeout", "400"]
-    return procs.spawn(argv, name="agentkv serve", env=env, log=log)
+    return procs.start(argv, name="agentkv serve", env=env, log=log)
 
 
 def ready(url: str, proc: procs.Process, timeout_s: float) -> None:
