@@ -247,9 +247,15 @@ class Process:
         return "\n".join(self._tail)
 
     def tail(self, lines: int = _TAIL_LINES) -> list[str]:
-        """The last ``lines`` lines of output."""
-        text = self.log_text() if self.log_path is not None else None
-        kept = text.splitlines() if text is not None else list(self._tail)
+        """The last ``lines`` lines of output (from the last 64 KiB of a log file)."""
+        kept = list(self._tail)
+        if self.log_path is not None:
+            try:
+                with open(self.log_path, "rb") as f:
+                    f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
+                    kept = f.read().decode(errors="replace").splitlines()
+            except OSError:
+                kept = []
         return kept[-lines:] if lines > 0 else []
 
     def error(self, reason: str | None = None, **kw: bool) -> ProcessError:
