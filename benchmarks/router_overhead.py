@@ -65,6 +65,7 @@ from benchmarks._loadgen import (
     start_process,
     wait_quiet,
 )
+from benchmarks._relay_floor import PREFILL as PREFILL_PARAMS
 from benchmarks._report import machine, write_section
 
 MODEL = "sim"
@@ -74,14 +75,6 @@ SIM_ARGS = [
     *("--preset", "zero", "--time-scale", "0", "--served-model-name", MODEL),
     *("--num-blocks", "262144", "--decoder-kv-blocks-ttl", str(D_TTL_S)),
 ]
-PREFILL_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 VLLM_PROXY = ROOT.parent / "shared" / "peers" / "vllm-0.33.0" / "disagg_proxy_multiturn.py"
 CHAT = "/v1/chat/completions"
 _IDS = re.compile(rb'"token_ids":\[([^\]]*)\]')

@@ -62,6 +62,14 @@ def alive(pid: int) -> bool:
     return bool(fields) and fields[0] != b"Z"
 
 
+def gone(pid: int, timeout_s: float = 5) -> bool:
+    """Whether ``pid`` is gone within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not alive(pid)
+
+
 def test_a_server_child_is_ready_then_stopped() -> None:
     with procs.start_on_free_port(server(), name="tiny") as p:
         assert p.port is not None and p.returncode is None
@@ -118,10 +126,7 @@ def test_what_the_child_left_behind_is_killed_too() -> None:
     grandchild = int(line.split()[1])
     assert alive(grandchild)
     p.stop()
-    deadline = time.monotonic() + 5
-    while alive(grandchild) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not alive(grandchild)
+    assert gone(grandchild)
 
 
 def test_a_new_session_is_stopped_as_a_group() -> None:
@@ -133,10 +138,7 @@ def test_a_new_session_is_stopped_as_a_group() -> None:
         time.sleep(0.05)
     sleeper, *_ = procs.descendants(p.pid)
     p.stop()
-    deadline = time.monotonic() + 5
-    while alive(sleeper) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not alive(sleeper)
+    assert gone(sleeper)
 
 
 def test_a_child_not_ready_in_time_is_stopped() -> None:
@@ -209,10 +211,7 @@ def test_the_child_dies_with_its_parent(tmp_path: Path) -> None:
         assert alive(child)
         parent.kill()  # SIGKILL: no cleanup of its own runs
         parent.wait()
-        deadline = time.monotonic() + 5
-        while alive(child) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not alive(child)
+        assert gone(child)
     finally:
         if parent.poll() is None:
             parent.kill()
