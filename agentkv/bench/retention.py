@@ -61,6 +61,7 @@ __all__ = [
     "evaluate_holds",
     "fixed_hold",
     "lease_hold",
+    "lease_hold_for",
     "lease_name",
     "oracle_budget",
     "oracle_hold",
@@ -143,14 +144,20 @@ def oracle_hold(cap_s: float) -> HoldRule:
     return lambda st: Hold(math.inf, st.gap_s) if st.gap_s <= cap_s else Hold(-1.0, 0.0)
 
 
-def lease_hold(p: LeaseParams) -> HoldRule:
-    """The liveness lease (see the module docstring): tool waits alive up to D's TTL, user
-    waits alive for ``ui_idle_s``, then lapsing within ``lease_s``."""
-    tool = Hold(p.max_hold_s, p.max_hold_s)
-    user = Hold(
+def lease_hold_for(tool_wait: bool, p: LeaseParams) -> Hold:
+    """The liveness lease's hold of one wait (see the module docstring): tool waits alive up to
+    D's TTL, user waits alive for ``ui_idle_s``, then lapsing within ``lease_s``."""
+    if tool_wait:
+        return Hold(p.max_hold_s, p.max_hold_s)
+    return Hold(
         min(p.max_hold_s, p.ui_idle_s + 2 * p.lease_s / 3),
         min(p.max_hold_s, p.ui_idle_s + p.lease_s),
     )
+
+
+def lease_hold(p: LeaseParams) -> HoldRule:
+    """:func:`lease_hold_for` as a rule over a trace's steps."""
+    tool, user = lease_hold_for(True, p), lease_hold_for(False, p)
     return lambda st: tool if st.tool_wait else user
 
 
