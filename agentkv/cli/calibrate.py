@@ -1,0 +1,101 @@
+"""`agentkv calibrate`: a cost file measured on a live deployment."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from agentkv.cli._common import floats, print_rows
+
+__all__ = ["calibrate"]
+
+
+def calibrate(
+    endpoint: Annotated[str, typer.Option(help="agentkv router's OpenAI base URL (…/v1).")],
+    out: Annotated[str, typer.Option(help="Cost file to write.")] = "agentkv-costs.json",
+    contexts: Annotated[
+        str, typer.Option(help="Prompt lengths to measure, comma-separated.")
+    ] = "512,1024,2048,4096,8192",
+    repeats: Annotated[int, typer.Option(help="Measurements per length (median used).")] = 3,
+    decode_tokens: Annotated[int, typer.Option(help="Tokens per decode measurement.")] = 24,
+    block_size: Annotated[int, typer.Option(help="Engines' KV block size.")] = 16,
+    kv_bytes_per_token: Annotated[
+        int, typer.Option(help="KV bytes per token (only sizes transfers and the CPU tier).")
+    ] = 0,
+    timing: Annotated[
+        str, typer.Option(help="wall (client clock) | model (the simulator's TTFT header).")
+    ] = "wall",
+    model: Annotated[str | None, typer.Option(help="Model name [the server's first].")] = None,
+) -> None:
+    """Measure prefill time per token by context length, pull time per block and decode time
+    per token on a live deployment, and write a cost file for `agentkv sim --costs` and
+    `agentkv plan --costs`."""
+    from pathlib import Path
+
+    from agentkv.bench.calibrate import (
+        CalibrationError,
+        fit_cost_model,
+        run_measure,
+        write_cost_file,
+    )
+
+    if timing not in ("wall", "model"):
+        typer.echo("agentkv calibrate: --timing must be wall or model", err=True)
+        raise typer.Exit(2)
+    sizes = [int(x) for x in floats(contexts, "--contexts") or []]
+    try:
+        measurements = run_measure(
+            endpoint,
+            contexts=sizes,
+            repeats=repeats,
+            decode_tokens=decode_tokens,
+            model=model,
+            timing=timing,
+            on_step=lambda s: typer.echo(f"  {s}", err=True),
+        )
+        fitted = fit_cost_model(measurements, block_size, kv_bytes_per_token)
+    except (CalibrationError, OSError) as exc:
+        typer.echo(f"agentkv calibrate: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    except Exception as exc:  # httpx errors: say where
+        typer.echo(f"agentkv calibrate: {endpoint}: {type(exc).__name__}: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    write_cost_file(
+        Path(out), fitted, measurements, endpoint=endpoint, timing=timing, block_size=block_size
+    )
+    rows = [["measurement", "prompt tokens", "reused", "seconds", "model"]]
+    for m in measurements:
+        if m.kind == "recompute":
+            predicted = fitted.ttft_s(m.prompt_tokens, 0)
+        elif m.kind == "pull":
+            local = m.reused_tokens // block_size * block_size
+            predicted = (
+                fitted.overhead_s
+                + fitted.prefill_s(m.prompt_tokens - m.reused_tokens, m.reused_tokens)
+                + fitted.transfer_s(m.reused_tokens)
+                + fitted.transfer_s(m.prompt_tokens - local)
+                + fitted.decode_s(1, m.prompt_tokens)
+            )
+        else:
+            predicted = fitted.decode_s(1, m.prompt_tokens)
+        rows.append(
+            [
+                m.kind,
+                f"{m.prompt_tokens:,}",
+                f"{m.reused_tokens:,}",
+                f"{m.seconds:.4f}",
+                f"{predicted:.4f}",
+            ]
+        )
+    print_rows(rows, f"agentkv calibrate: {endpoint} ({timing} clock)")
+    f = fitted
+    typer.echo(
+        f"prefill {f.prefill_s_per_token * 1e6:.2f} µs/token + "
+        f"{f.prefill_s_per_token_ctx * 1e12:.3f} ps per (token × context token); "
+        f"pull {f.transfer_s_base * 1000:.2f} ms + "
+        f"{f.transfer_s_per_block * 1e6:.2f} µs per {block_size}-token block; decode "
+        f"{f.decode_s_per_token * 1000:.2f} ms/token + {f.decode_s_per_token_ctx * 1e9:.3f} ns per "
+        f"context token; overhead {f.overhead_s * 1000:.1f} ms"
+    )
+    typer.echo(f"wrote {out}")
