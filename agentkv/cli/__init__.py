@@ -4,16 +4,35 @@ domain function: it parses options, calls one function of ``agentkv.serve``/``be
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from collections.abc import Callable
+from typing import Annotated, Any, ClassVar
 
 import typer
+from typer.core import TyperGroup
 
 from agentkv.__version__ import __version__
 from agentkv.cli import bench, calibrate, check, plan, router, serve, sim
 
 __all__ = ["app", "command", "main"]
 
+
+class _Root(TyperGroup):
+    """The root command group; ``sim`` is built when it is asked for (listed first), so that
+    other commands do not import the simulator to generate its options."""
+
+    lazy: ClassVar[dict[str, Callable[[], Any]]] = {"sim": sim.command}
+
+    def list_commands(self, ctx: Any) -> list[str]:
+        return [*self.lazy, *(n for n in super().list_commands(ctx) if n not in self.lazy)]
+
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        if cmd_name in self.lazy and cmd_name not in self.commands:
+            self.commands[cmd_name] = tidy(self.lazy[cmd_name]())
+        return super().get_command(ctx, cmd_name)
+
+
 app = typer.Typer(
+    cls=_Root,
     name="agentkv",
     help="Fast, verified multi-turn KV reuse for AI agents on self-hosted vLLM.",
     no_args_is_help=True,
@@ -42,7 +61,6 @@ def _root(
 
 
 # The order of registration is the order of `agentkv --help`.
-app.command("sim")(sim.sim)
 app.command("demo")(serve.demo)
 app.command("serve")(serve.serve)
 app.add_typer(serve.profiles_app, name="profiles")
@@ -59,21 +77,22 @@ def command() -> Any:
     value) and a list option's element type (``<str>``; the help says to repeat it)."""
     import typer.main
 
-    root = typer.main.get_command(app)
+    return tidy(typer.main.get_command(app))
 
-    def tidy(cmd: Any) -> None:
-        ctx = cmd.context_class(cmd)
-        for param in cmd.get_params(ctx):  # includes the (cached) --help option
-            if getattr(param, "is_flag", False):
-                param.metavar = ""
-            elif getattr(param, "multiple", False) and param.metavar is None:
-                shown = str(param.display_type(ctx))  # "<list[str]>"
-                param.metavar = shown.replace("list[", "").replace("]", "")
-        for sub in getattr(cmd, "commands", {}).values():
-            tidy(sub)
 
-    tidy(root)
-    return root
+def tidy(cmd: Any) -> Any:
+    """``cmd`` and its subcommands without ``<bool>`` on flags and with a list option's element
+    type as its metavar."""
+    ctx = cmd.context_class(cmd)
+    for param in cmd.get_params(ctx):  # includes the (cached) --help option
+        if getattr(param, "is_flag", False):
+            param.metavar = ""
+        elif getattr(param, "multiple", False) and param.metavar is None:
+            shown = str(param.display_type(ctx))  # "<list[str]>"
+            param.metavar = shown.replace("list[", "").replace("]", "")
+    for sub in getattr(cmd, "commands", {}).values():
+        tidy(sub)
+    return cmd
 
 
 def main() -> None:
