@@ -28,8 +28,8 @@ def check_template(
     from rich.console import Console
     from rich.table import Table
 
-    from agentkv._check_template import CheckError
-    from agentkv._check_template import check_template as run_check
+    from agentkv.bench.template_check import CheckError
+    from agentkv.bench.template_check import check_template as run_check
 
     try:
         kwargs = json.loads(chat_template_kwargs) if chat_template_kwargs else None
