@@ -11,27 +11,6 @@ from agentkv.cli._common import floats, print_rows
 __all__ = ["plan"]
 
 
-def _cost_model(costs: str | None, preset: str | None) -> tuple[Any, str]:
-    from agentkv.sim.costmodel import PRESETS, load_cost_file
-
-    if costs and preset:
-        typer.echo("agentkv: give --costs or --preset, not both", err=True)
-        raise typer.Exit(2)
-    if costs:
-        try:
-            return load_cost_file(costs), f"cost file {costs}"
-        except ValueError as exc:
-            typer.echo(f"agentkv: {exc}", err=True)
-            raise typer.Exit(2) from exc
-    name = preset or "qwen3-32b-p5en"
-    if name not in PRESETS:
-        typer.echo(
-            f"agentkv: unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}", err=True
-        )
-        raise typer.Exit(2)
-    return PRESETS[name], f"preset {name}"
-
-
 def plan(
     trace: Annotated[str, typer.Argument(help="Claude Code (.jsonl[.xz]), Mooncake or vLLM JSON.")],
     costs: Annotated[
@@ -92,134 +71,43 @@ def plan(
     """Recommend decoder_kv_blocks_ttl, the router TTL and kv_recompute_threshold from a trace's
     gaps and token profile, and say whether a CPU offload tier pays beyond the TTL;
     --retention compares KV retention policies (fixed TTLs, an oracle, a liveness lease)."""
-    from pathlib import Path
+    from agentkv.bench.plan_report import cost_model, plan_trace, write_plan
+    from agentkv.bench.traces import TraceError
 
-    from agentkv.bench.plan import DEFAULT_TTLS, make_plan
-    from agentkv.bench.retention import LeaseParams, retention_report
-    from agentkv.bench.traces import TraceError, load_trace
-
-    cost, source = _cost_model(costs, preset)
-    fmt: Any = trace_format
-    families = [x.strip() for x in (retention or "").split(",") if x.strip()]
-    retained: list[Any] = []
     try:
-        loaded = load_trace(trace, format=fmt, limit=sessions)
-        if families:
-            retained = retention_report(
-                loaded,
-                families,
-                fixed_ttls=floats(retention_ttl, "--retention-ttl") or [],
-                lease=LeaseParams(ui_idle_s, lease_s, max_hold_s),
-                block_size=block_size,
-                horizon_s=offload_horizon,
-            )
-        result = make_plan(
-            loaded,
+        cost, source = cost_model(costs, preset)
+    except ValueError as exc:
+        typer.echo(f"agentkv: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    try:
+        report = plan_trace(
+            trace,
             cost,
+            source,
+            trace_format=trace_format,
+            sessions=sessions,
             block_size=block_size,
-            ttls=floats(ttl, "--ttl") or DEFAULT_TTLS,
-            thresholds=[int(x) for x in floats(threshold, "--threshold") or []] or None,
+            ttls=floats(ttl, "--ttl"),
+            thresholds=[int(x) for x in floats(threshold, "--threshold") or []],
             target=target,
             epoch_rule=epoch_rule,
             offload_horizon_s=offload_horizon,
             offload_gbps=offload_gbps,
+            retention=[x.strip() for x in (retention or "").split(",") if x.strip()],
+            retention_ttls=floats(retention_ttl, "--retention-ttl") or [],
+            lease=(ui_idle_s, lease_s, max_hold_s),
         )
     except (TraceError, OSError, ValueError) as exc:
         typer.echo(f"agentkv plan: {exc}", err=True)
         raise typer.Exit(2) from exc
-    header = [
-        "D TTL s",
-        "router TTL s",
-        "threshold",
-        "reuse captured",
-        "turns expired",
-        "lost to rewrites",
-        "retained block-hours",
-        "prefill s saved",
-        "TTFT saved",
-    ]
-    rows = [header]
-    for r in result.rows:
-        if r.threshold != result.threshold:
-            continue
-        rows.append(
-            [
-                f"{r.ttl_s:g}",
-                f"{r.router_ttl_s:g}",
-                str(r.threshold),
-                f"{r.captured_pct:.2f}%",
-                str(r.turns_expired),
-                f"{r.lost_to_rewrites_tokens:,}",
-                f"{r.retained_block_s / 3600:,.1f}",
-                f"{r.prefill_s_saved:,.1f}",
-                f"{r.ttft_saved_pct:.1f}%",
-            ]
-        )
-    st = result.stats
-    print_rows(
-        rows,
-        f"agentkv plan: {st['sessions']} sessions, {st['turns']} turns, {source}",
-    )
-    chosen = result.row(result.ttl_s, result.threshold)
-    by_threshold = [["threshold", "reuse captured", "lost to threshold", "TTFT saved"]]
-    for r in result.rows:
-        if r.ttl_s == result.ttl_s:
-            by_threshold.append(
-                [
-                    str(r.threshold),
-                    f"{r.captured_pct:.2f}%",
-                    f"{r.lost_to_threshold_tokens:,}",
-                    f"{r.ttft_saved_pct:.2f}%",
-                ]
-            )
-    print_rows(by_threshold, f"at decoder_kv_blocks_ttl = {result.ttl_s:g} s")
-    even = result.break_even_tokens
-    typer.echo(
-        f"recommend: decoder_kv_blocks_ttl = {result.ttl_s:g} (captures "
-        f"{chosen.captured_pct:.1f}% of the reusable tokens, ≥ {target:.0%} of the best on the "
-        f"grid); router TTL = {result.router_ttl_s:g} s (ttl_margin_s = "
-        f"{result.ttl_s - result.router_ttl_s:g}); kv_recompute_threshold = {result.threshold} "
-        + (
-            f"(reading fewer tokens is slower than recomputing them with {source})"
-            if even is not None
-            else "(reading KV never beats recomputing with these costs)"
-        )
-    )
-    off = result.offload
-    typer.echo(
-        f"CPU offload tier beyond the TTL: {'pays' if off.pays else 'does not pay'} — {off.reason} "
-        f"({off.turns} turns, {off.tokens:,} tokens, {off.ttft_s_saved:,.1f} s of TTFT saved, "
-        f"{off.gib_hours:,.1f} GiB-hours of CPU memory)"
-    )
-    if retained:
-        _print_retention(retained)
-    data = result.to_dict()
-    data["costs"] = {"source": source, **cost.model_dump()}
-    if families:
-        from agentkv.bench.retention import ASSUMPTIONS, wait_stats
-
-        data["retention"] = [r.to_dict() for r in retained]
-        data["retention_assumptions"] = ASSUMPTIONS
-        data["retention_waits"] = wait_stats(loaded, block_size)
-    if json_out:
-        from agentkv.bench.report import write_json
-
-        write_json(Path(json_out), data)
-        typer.echo(f"wrote {json_out}")
-    if out:
-        from agentkv.bench import plots
-        from agentkv.bench.report import write_json
-
-        folder = Path(out)
-        folder.mkdir(parents=True, exist_ok=True)
-        write_json(folder / "plan.json", data)
-        plots.plot_tradeoff(
-            [r.to_dict() for r in result.rows],
-            folder / "plan.png",
-            title=f"{Path(trace).parent.name}/{Path(trace).name}: reuse against retained KV "
-            f"({source})",
-        )
-        typer.echo(f"wrote {folder / 'plan.json'} and {folder / 'plan.png'}")
+    print_rows(report.ttl_rows(), report.title())
+    print_rows(report.threshold_rows(), f"at decoder_kv_blocks_ttl = {report.plan.ttl_s:g} s")
+    typer.echo(report.recommendation())
+    typer.echo(report.offload_line())
+    if report.retention:
+        _print_retention(report.retention)
+    for written in write_plan(report, trace, json_out=json_out, out=out):
+        typer.echo(f"wrote {written}")
 
 
 def _print_retention(rows: list[Any]) -> None:
