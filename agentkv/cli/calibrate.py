@@ -35,7 +35,9 @@ def calibrate(
 
     from agentkv.bench.calibrate import (
         CalibrationError,
+        describe,
         fit_cost_model,
+        fit_rows,
         run_measure,
         write_cost_file,
     )
@@ -64,38 +66,9 @@ def calibrate(
     write_cost_file(
         Path(out), fitted, measurements, endpoint=endpoint, timing=timing, block_size=block_size
     )
-    rows = [["measurement", "prompt tokens", "reused", "seconds", "model"]]
-    for m in measurements:
-        if m.kind == "recompute":
-            predicted = fitted.ttft_s(m.prompt_tokens, 0)
-        elif m.kind == "pull":
-            local = m.reused_tokens // block_size * block_size
-            predicted = (
-                fitted.overhead_s
-                + fitted.prefill_s(m.prompt_tokens - m.reused_tokens, m.reused_tokens)
-                + fitted.transfer_s(m.reused_tokens)
-                + fitted.transfer_s(m.prompt_tokens - local)
-                + fitted.decode_s(1, m.prompt_tokens)
-            )
-        else:
-            predicted = fitted.decode_s(1, m.prompt_tokens)
-        rows.append(
-            [
-                m.kind,
-                f"{m.prompt_tokens:,}",
-                f"{m.reused_tokens:,}",
-                f"{m.seconds:.4f}",
-                f"{predicted:.4f}",
-            ]
-        )
-    print_rows(rows, f"agentkv calibrate: {endpoint} ({timing} clock)")
-    f = fitted
-    typer.echo(
-        f"prefill {f.prefill_s_per_token * 1e6:.2f} µs/token + "
-        f"{f.prefill_s_per_token_ctx * 1e12:.3f} ps per (token × context token); "
-        f"pull {f.transfer_s_base * 1000:.2f} ms + "
-        f"{f.transfer_s_per_block * 1e6:.2f} µs per {block_size}-token block; decode "
-        f"{f.decode_s_per_token * 1000:.2f} ms/token + {f.decode_s_per_token_ctx * 1e9:.3f} ns per "
-        f"context token; overhead {f.overhead_s * 1000:.1f} ms"
+    print_rows(
+        fit_rows(fitted, measurements, block_size),
+        f"agentkv calibrate: {endpoint} ({timing} clock)",
     )
+    typer.echo(describe(fitted, block_size))
     typer.echo(f"wrote {out}")
