@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
@@ -67,6 +67,7 @@ def serve(
     from agentkv.serve import ProfileError, check_runtime, expand
     from agentkv.serve.ports import with_ports
     from agentkv.serve.supervisor import ServeError, Supervisor
+    from agentkv.serve.tracing import tracing_line
 
     try:
         prof = with_ports(
@@ -90,7 +91,7 @@ def serve(
         for problem in problems:
             typer.echo(f"agentkv serve: {problem}", err=True)
         raise typer.Exit(2)
-    tracing = _tracing_line(prof)
+    tracing = tracing_line(prof)
     if tracing:
         console.print(tracing, highlight=False)
     supervisor = Supervisor(deployment, console=console, startup_timeout_s=startup_timeout)
@@ -106,36 +107,6 @@ def serve(
     if supervisor.failed is not None:
         typer.echo(f"agentkv serve: {supervisor.failed}", err=True)
     raise typer.Exit(code)
-
-
-def _tracing_line(prof: Any) -> str | None:
-    """What ``agentkv serve`` traces: the router from its ``OTEL_*`` environment (the profile's
-    ``otlp_traces_endpoint`` sets it), vLLM engines with ``--otlp-traces-endpoint``."""
-    import importlib.util
-    import os
-
-    from agentkv.router.tracing import otel_requested
-
-    endpoint = prof.otlp_traces_endpoint
-    if endpoint is None and not otel_requested():
-        return None
-    if importlib.util.find_spec("opentelemetry.distro") is None:
-        return (
-            "tracing: OTEL_* or otlp_traces_endpoint is set but the otel extra is not "
-            'installed (pip install "vllm-agentkv[otel]"): the router does not trace'
-        )
-    target = endpoint or os.environ.get(
-        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
-        os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "the OTel defaults"),
-    )
-    engines = (
-        f"vLLM engines to {endpoint}"
-        if endpoint and prof.engine == "vllm"
-        else "engines do not trace (set otlp_traces_endpoint for vLLM)"
-        if prof.engine == "vllm"
-        else "simulator engines export no traces"
-    )
-    return f"tracing: router to {target}; {engines}"
 
 
 profiles_app = typer.Typer(
