@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from agentkv.promtext import parse_metrics
+from agentkv.protocol.promtext import parse_metrics
 from agentkv.sim.launch import SimProcess, free_port, start_sims
 
 

@@ -21,7 +21,7 @@ import pytest
 from stack import RouterProcess, Stack, stack
 
 import agentkv
-from agentkv.promtext import parse_metrics
+from agentkv.protocol.promtext import parse_metrics
 from agentkv.sim.launch import free_port
 
 pytestmark = pytest.mark.e2e

@@ -1,0 +1,305 @@
+"""`agentkv bench replay|curves`: trace replay and preset TTFT curves."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+
+from agentkv.cli._common import exit_on_sigterm, floats, print_rows
+
+__all__ = ["bench_app"]
+
+bench_app = typer.Typer(
+    help="Benchmarks: replay real agent traces through the SDK and router; preset TTFT curves.",
+    no_args_is_help=True,
+    rich_markup_mode="markdown",
+)
+
+
+@bench_app.command("replay")
+def bench_replay(
+    trace: Annotated[str, typer.Argument(help="Claude Code (.jsonl[.xz]), Mooncake or vLLM JSON.")],
+    endpoint: Annotated[
+        str | None,
+        typer.Option(help="agentkv router's OpenAI base URL (…/v1) of a running deployment."),
+    ] = None,
+    local: Annotated[
+        str | None,
+        typer.Option(help="Start this profile (name or TOML) for the run [default: local]."),
+    ] = None,
+    compare: Annotated[
+        bool,
+        typer.Option(
+            "--compare", help="Also run no reuse and unverified reuse on the same engines."
+        ),
+    ] = False,
+    unverified_endpoint: Annotated[
+        str | None,
+        typer.Option(help="With --endpoint --compare: a router with reuse_policy=unverified."),
+    ] = None,
+    sessions: Annotated[int, typer.Option(help="Sessions to replay (the first that fit).")] = 16,
+    skip: Annotated[int, typer.Option(help="Skip this many fitting sessions first.")] = 0,
+    max_turns: Annotated[
+        int | None, typer.Option(help="Replay at most this many turns per session.")
+    ] = None,
+    max_context: Annotated[
+        int | None,
+        typer.Option(help="Skip sessions whose scaled prompts exceed this many tokens."),
+    ] = None,
+    token_scale: Annotated[
+        float, typer.Option(help="Multiply hashed traces' token counts (e.g. 0.0625).")
+    ] = 1.0,
+    time_scale: Annotated[float, typer.Option(help="Multiply the trace's gaps (and TTLs).")] = 1.0,
+    concurrency: Annotated[int, typer.Option(help="Sessions in flight at once.")] = 8,
+    preset: Annotated[str | None, typer.Option(help="--local: simulator cost preset.")] = None,
+    costs: Annotated[str | None, typer.Option(help="--local: simulator cost file.")] = None,
+    router_ttl: Annotated[
+        float, typer.Option(help="--endpoint: the router's TTL in real seconds.")
+    ] = 450.0,
+    decoder_ttl: Annotated[
+        float, typer.Option(help="--endpoint: D's decoder_kv_blocks_ttl in real seconds.")
+    ] = 480.0,
+    trace_format: Annotated[
+        str | None,
+        typer.Option("--format", help="claude-code | mooncake | vllm-multi-turn [auto]."),
+    ] = None,
+    subagents: Annotated[
+        bool, typer.Option("--subagents", help="Claude Code: sub-agents as sessions too.")
+    ] = False,
+    honor_starts: Annotated[
+        bool, typer.Option("--honor-starts", help="Start sessions at their trace times.")
+    ] = False,
+    out: Annotated[str, typer.Option(help="Directory for the report.")] = "agentkv-replay",
+    plots: Annotated[bool, typer.Option(help="Write PNG plots (needs matplotlib).")] = True,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+) -> None:
+    """Replay a trace's sessions through the SDK (exact mode) and the router: TTFT, reuse against
+    the ideal, recompute, wrong-KV tokens and D's retained block-seconds, per turn."""
+    import contextlib
+    from pathlib import Path
+
+    from agentkv.bench import deploy, runner
+    from agentkv.bench.replay import Policy, ReplaySettings
+    from agentkv.bench.traces import TraceError, detect_format
+
+    exit_on_sigterm()
+    if endpoint and local:
+        typer.echo("agentkv bench replay: give --endpoint or --local, not both", err=True)
+        raise typer.Exit(2)
+    if token_scale <= 0 or time_scale <= 0:
+        typer.echo("agentkv bench replay: scales must be positive", err=True)
+        raise typer.Exit(2)
+    fmt: Any = trace_format
+    if fmt not in (None, "claude-code", "mooncake", "vllm-multi-turn"):
+        typer.echo(f"agentkv bench replay: unknown --format {fmt!r}", err=True)
+        raise typer.Exit(2)
+    try:
+        chosen = runner.select_sessions(
+            runner.load_sessions(trace, fmt, include_subagents=subagents),
+            count=sessions,
+            token_scale=token_scale,
+            max_turns=max_turns,
+            max_context=max_context,
+            skip=skip,
+        )
+        fmt = fmt or detect_format(trace)
+    except (TraceError, OSError) as exc:
+        typer.echo(f"agentkv bench replay: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    if not chosen:
+        typer.echo("agentkv bench replay: no session of the trace fits the filters", err=True)
+        raise typer.Exit(2)
+    selection = (
+        f"the first {len(chosen)} sessions"
+        + (f" after skipping {skip}" if skip else "")
+        + " with 2 turns or more"
+        + (f", cut to {max_turns} turns" if max_turns else "")
+        + (f", whose scaled prompts stay within {max_context:,} tokens" if max_context else "")
+    )
+    meta = {"trace": trace, "format": fmt, "selection": selection}
+    with contextlib.ExitStack() as stack:
+        if endpoint:
+            if compare and not unverified_endpoint:
+                typer.echo(
+                    "agentkv bench replay: --endpoint --compare needs --unverified-endpoint",
+                    err=True,
+                )
+                raise typer.Exit(2)
+            targets: dict[Policy, str] = {"agentkv": endpoint}
+            if compare:
+                targets = {"none": endpoint, "unverified": str(unverified_endpoint), **targets}
+            settings = ReplaySettings(
+                model="",
+                time_scale=time_scale,
+                router_ttl_s=router_ttl / time_scale,
+                decoder_ttl_s=decoder_ttl / time_scale,
+                gap_cap_real_s=decoder_ttl + 1,
+                concurrency=concurrency,
+                honor_starts=honor_starts,
+            )
+            run = runner.ReplayRun(targets, settings, setup={"endpoint": endpoint})
+            import httpx
+
+            try:
+                models = httpx.get(endpoint.rstrip("/") + "/models", timeout=10).json()
+                settings = ReplaySettings(**{**settings.__dict__, "model": models["data"][0]["id"]})
+                run.settings = settings
+            except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+                typer.echo(f"agentkv bench replay: {endpoint}/models: {exc}", err=True)
+                raise typer.Exit(2) from exc
+        else:
+            typer.echo(f"agentkv bench replay: starting profile {local or 'local'} …", err=True)
+            try:
+                s = stack.enter_context(
+                    deploy.local_stack(
+                        local or "local",
+                        time_scale=time_scale,
+                        preset=preset,
+                        costs=costs,
+                        unverified=compare,
+                    )
+                )
+            except Exception as exc:
+                typer.echo(
+                    f"agentkv bench replay: could not start {local or 'local'}: {exc}", err=True
+                )
+                raise typer.Exit(1) from exc
+            targets = {"agentkv": s.base_url}
+            if compare:
+                assert s.unverified_url is not None
+                targets = {"none": s.base_url, "unverified": s.unverified_url, **targets}
+            settings = ReplaySettings(
+                model=s.model,
+                block_size=s.block_size,
+                time_scale=time_scale,
+                router_ttl_s=s.router_ttl_s,
+                decoder_ttl_s=s.decoder_ttl_s,
+                gap_cap_real_s=s.decoder_ttl_real_s + 1,
+                concurrency=concurrency,
+                honor_starts=honor_starts,
+            )
+            setup = {
+                "profile": f"{s.profile} ({s.description})",
+                "simulator costs": costs or f"preset {preset or 'of the profile'}",
+                "prefill prefix caching": "on" if s.prefill_prefix_caching else "off",
+                "kv_recompute_threshold": s.kv_recompute_threshold,
+                "chat template": "plain ChatML (agentkv/bench/chatml.jinja), thinking off",
+                "router_ttl_real_s": s.router_ttl_s * time_scale,
+                "decoder_ttl_real_s": s.decoder_ttl_real_s,
+            }
+            run = runner.ReplayRun(
+                targets,
+                settings,
+                decode_urls=s.decode_urls,
+                engine_urls=s.engine_urls,
+                drain_timeout_s=s.decoder_ttl_real_s + 5,
+                setup=setup,
+            )
+        outcome = runner.run(
+            chosen,
+            run,
+            token_scale=token_scale,
+            out_dir=Path(out),
+            plots=plots,
+            progress=progress,
+            meta=meta,
+        )
+    print_rows(runner.summary_rows(outcome.summaries), "agentkv bench replay")
+    for path in outcome.files:
+        typer.echo(f"wrote {path}")
+
+
+@bench_app.command("curves")
+def bench_curves(
+    preset: Annotated[
+        list[str] | None,
+        typer.Option("--preset", help="Preset to run (repeat) [qwen3-32b-p5en, glm-5-fp8-p5en]."),
+    ] = None,
+    sizes: Annotated[
+        str, typer.Option(help="Prompt lengths, comma-separated.")
+    ] = "1024,2048,4096,8192,12288,16384,20480,24576,32768",
+    out: Annotated[str, typer.Option(help="PNG to write.")] = "preset_ttft.png",
+    json_out: Annotated[
+        str | None, typer.Option("--json", help="Also write the points as JSON.")
+    ] = None,
+) -> None:
+    """Run the published benchmark's two scenarios (recompute; reuse of all but the last 10 %)
+    as real P/D turns through the router and simulator processes of each preset, and plot them
+    against the cost model and the published points."""
+    import asyncio
+    import json as json_module
+    from pathlib import Path
+
+    from agentkv.bench import deploy, plots
+    from agentkv.bench.calibrate import CalibrationError, measure_curve
+    from agentkv.sim.costmodel import PRESETS, PUBLISHED_POINTS, reused_tokens_for
+
+    exit_on_sigterm()
+    names = preset or ["qwen3-32b-p5en", "glm-5-fp8-p5en"]
+    points = [int(x) for x in floats(sizes, "--sizes") or []]
+    curves: dict[str, dict[str, Any]] = {}
+    rows = [
+        [
+            "preset",
+            "prompt tokens",
+            "recompute ms (model)",
+            "measured",
+            "reuse ms (model)",
+            "measured",
+        ]
+    ]
+    for name in names:
+        if name not in PRESETS:
+            typer.echo(f"agentkv: unknown preset {name!r}", err=True)
+            raise typer.Exit(2)
+        cost = PRESETS[name]
+        typer.echo(f"agentkv bench curves: {name} …", err=True)
+        try:
+            with deploy.local_stack(
+                "local",
+                time_scale=1.0,
+                preset=name,
+                decode_prefix_caching=False,
+                unverified=False,
+            ) as s:
+                # time_scale 0 would be better, but local_stack scales TTLs by it: keep real time
+                # and read the modelled TTFT header (the engines sleep for it).
+                measured = asyncio.run(measure_curve(s.base_url, points, model=s.model))
+        except CalibrationError as exc:
+            typer.echo(f"agentkv bench curves: {exc}", err=True)
+            raise typer.Exit(1) from exc
+        xs = list(range(512, max(points) + 1, 512))
+        curves[name] = {
+            "model_x": xs,
+            "model_recompute_ms": [cost.ttft_s(n, 0) * 1000 for n in xs],
+            "model_reuse_ms": [cost.ttft_s(n, reused_tokens_for(n)) * 1000 for n in xs],
+            "measured_recompute": [(n, a * 1000) for n, a, _ in measured],
+            "measured_reuse": [(n, b * 1000) for n, _, b in measured],
+            "published_recompute": [
+                (p.prompt_tokens, p.seconds * 1000)
+                for p in PUBLISHED_POINTS
+                if p.preset == name and p.measurement == "ttft_recompute"
+            ],
+            "published_reuse": [
+                (p.prompt_tokens, p.seconds * 1000)
+                for p in PUBLISHED_POINTS
+                if p.preset == name and p.measurement == "ttft_reuse"
+            ],
+        }
+        for n, a, b in measured:
+            rows.append(
+                [
+                    name,
+                    f"{n:,}",
+                    f"{cost.ttft_s(n, 0) * 1000:,.1f}",
+                    f"{a * 1000:,.1f}",
+                    f"{cost.ttft_s(n, reused_tokens_for(n)) * 1000:,.1f}",
+                    f"{b * 1000:,.1f}",
+                ]
+            )
+    plots.plot_preset_curves(curves, Path(out))
+    if json_out:
+        Path(json_out).write_text(json_module.dumps(curves, indent=2) + "\n")
+    print_rows(rows, "TTFT through router + simulator (P/D turns, modelled)")
+    typer.echo(f"wrote {out}")
