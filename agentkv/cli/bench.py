@@ -70,6 +70,23 @@ def bench_replay(
     honor_starts: Annotated[
         bool, typer.Option("--honor-starts", help="Start sessions at their trace times.")
     ] = False,
+    with_leases: Annotated[
+        bool,
+        typer.Option(
+            "--leases", help="Also run agentkv with retention leases (a D with a long TTL)."
+        ),
+    ] = False,
+    lease_s: Annotated[float, typer.Option(help="--leases: the lease, trace seconds.")] = 30.0,
+    ui_idle_s: Annotated[
+        float, typer.Option(help="--leases: the UI idle timeout of user waits, trace seconds.")
+    ] = 300.0,
+    max_hold_s: Annotated[
+        float, typer.Option(help="--leases: D's TTL (the longest hold), trace seconds.")
+    ] = 1800.0,
+    lease_endpoint: Annotated[
+        str | None,
+        typer.Option(help="--endpoint --leases: a router before a D with a --max-hold-s TTL."),
+    ] = None,
     out: Annotated[str, typer.Option(help="Directory for the report.")] = "agentkv-replay",
     plots: Annotated[bool, typer.Option(help="Write PNG plots (needs matplotlib).")] = True,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
@@ -79,8 +96,9 @@ def bench_replay(
     import contextlib
     from pathlib import Path
 
-    from agentkv.bench import deploy, runner
-    from agentkv.bench.replay import Policy, ReplaySettings
+    from agentkv.bench import replay_setup as setup
+    from agentkv.bench import runner
+    from agentkv.bench.retention import LeaseParams
     from agentkv.bench.traces import TraceError, detect_format
 
     exit_on_sigterm()
@@ -118,84 +136,38 @@ def bench_replay(
         + (f", whose scaled prompts stay within {max_context:,} tokens" if max_context else "")
     )
     meta = {"trace": trace, "format": fmt, "selection": selection}
+    leases = LeaseParams(ui_idle_s, lease_s, max_hold_s) if with_leases else None
     with contextlib.ExitStack() as stack:
-        if endpoint:
-            if compare and not unverified_endpoint:
-                typer.echo(
-                    "agentkv bench replay: --endpoint --compare needs --unverified-endpoint",
-                    err=True,
+        try:
+            if endpoint:
+                run = setup.endpoint_run(
+                    endpoint,
+                    ttls=setup.EndpointTTLs(router_ttl, decoder_ttl),
+                    time_scale=time_scale,
+                    concurrency=concurrency,
+                    honor_starts=honor_starts,
+                    unverified_endpoint=unverified_endpoint,
+                    compare=compare,
+                    lease=leases,
+                    lease_endpoint=lease_endpoint,
                 )
-                raise typer.Exit(2)
-            targets: dict[Policy, str] = {"agentkv": endpoint}
-            if compare:
-                targets = {"none": endpoint, "unverified": str(unverified_endpoint), **targets}
-            settings = ReplaySettings(
-                model="",
-                time_scale=time_scale,
-                router_ttl_s=router_ttl / time_scale,
-                decoder_ttl_s=decoder_ttl / time_scale,
-                gap_cap_real_s=decoder_ttl + 1,
-                concurrency=concurrency,
-                honor_starts=honor_starts,
-            )
-            run = runner.ReplayRun(targets, settings, setup={"endpoint": endpoint})
-            import httpx
-
-            try:
-                models = httpx.get(endpoint.rstrip("/") + "/models", timeout=10).json()
-                settings = ReplaySettings(**{**settings.__dict__, "model": models["data"][0]["id"]})
-                run.settings = settings
-            except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
-                typer.echo(f"agentkv bench replay: {endpoint}/models: {exc}", err=True)
-                raise typer.Exit(2) from exc
-        else:
-            typer.echo(f"agentkv bench replay: starting profile {local or 'local'} …", err=True)
-            try:
-                s = stack.enter_context(
-                    deploy.local_stack(
+            else:
+                typer.echo(f"agentkv bench replay: starting profile {local or 'local'} …", err=True)
+                run = stack.enter_context(
+                    setup.local_run(
                         local or "local",
                         time_scale=time_scale,
                         preset=preset,
                         costs=costs,
-                        unverified=compare,
+                        compare=compare,
+                        concurrency=concurrency,
+                        honor_starts=honor_starts,
+                        lease=leases,
                     )
                 )
-            except Exception as exc:
-                typer.echo(
-                    f"agentkv bench replay: could not start {local or 'local'}: {exc}", err=True
-                )
-                raise typer.Exit(1) from exc
-            targets = {"agentkv": s.base_url}
-            if compare:
-                assert s.unverified_url is not None
-                targets = {"none": s.base_url, "unverified": s.unverified_url, **targets}
-            settings = ReplaySettings(
-                model=s.model,
-                block_size=s.block_size,
-                time_scale=time_scale,
-                router_ttl_s=s.router_ttl_s,
-                decoder_ttl_s=s.decoder_ttl_s,
-                gap_cap_real_s=s.decoder_ttl_real_s + 1,
-                concurrency=concurrency,
-                honor_starts=honor_starts,
-            )
-            setup = {
-                "profile": f"{s.profile} ({s.description})",
-                "simulator costs": costs or f"preset {preset or 'of the profile'}",
-                "prefill prefix caching": "on" if s.prefill_prefix_caching else "off",
-                "kv_recompute_threshold": s.kv_recompute_threshold,
-                "chat template": "plain ChatML (agentkv/bench/chatml.jinja), thinking off",
-                "router_ttl_real_s": s.router_ttl_s * time_scale,
-                "decoder_ttl_real_s": s.decoder_ttl_real_s,
-            }
-            run = runner.ReplayRun(
-                targets,
-                settings,
-                decode_urls=s.decode_urls,
-                engine_urls=s.engine_urls,
-                drain_timeout_s=s.decoder_ttl_real_s + 5,
-                setup=setup,
-            )
+        except setup.SetupError as exc:
+            typer.echo(f"agentkv bench replay: {exc}", err=True)
+            raise typer.Exit(exc.exit_code) from exc
         outcome = runner.run(
             chosen,
             run,

@@ -123,3 +123,40 @@ def test_leases_keep_live_agents_and_free_dead_ones(
     assert "freed_after_last_death_s" not in s["agentkv"].measured
     report = (tmp_path / "o" / "report.md").read_text()
     assert "agentkv + retention leases" in report and "freed after the last agent died" in report
+
+
+def test_cli_runs_the_lease_policy_on_a_running_deployment(
+    stack: Stack, lease_stack: Stack, tmp_path: Path
+):
+    """`--endpoint … --leases --lease-endpoint …`: the lease policy through the CLI."""
+    from typer.testing import CliRunner
+
+    from agentkv.cli import app
+
+    args = ["bench", "replay", str(_trace(tmp_path)), "--endpoint", stack.base_url, "--leases"]
+    args += ["--lease-endpoint", lease_stack.base_url, "--lease-s", str(LEASE.lease_s)]
+    args += ["--ui-idle-s", str(LEASE.ui_idle_s), "--max-hold-s", str(LEASE.max_hold_s)]
+    args += ["--router-ttl", str(stack.router_ttl_s * TIME_SCALE)]
+    args += ["--decoder-ttl", str(stack.decoder_ttl_real_s), "--time-scale", str(TIME_SCALE)]
+    args += ["--token-scale", "0.125", "--skip", "1", "--sessions", "1", "--no-progress"]
+    args += ["--out", str(tmp_path / "o"), "--no-plots"]
+    result = CliRunner().invoke(app, args, terminal_width=200)
+    assert result.exit_code == 0, result.output
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert set(summary["policies"]) == {"agentkv", "lease"}
+    rows = json.loads((tmp_path / "o" / "turns.json").read_text())
+    lease = [r for r in rows if r["policy"] == "lease"]
+    assert [r["session"] for r in lease] == ["agent_b", "agent_b"]
+    assert [r["decision"] for r in lease] == ["miss", "pull"]
+    assert lease[1]["reused_tokens"] == lease[1]["ideal_tokens"] > 0
+
+
+def test_cli_leases_with_an_endpoint_need_a_lease_endpoint(stack: Stack, tmp_path: Path):
+    from typer.testing import CliRunner
+
+    from agentkv.cli import app
+
+    args = ["bench", "replay", str(_trace(tmp_path)), "--endpoint", stack.base_url, "--leases"]
+    result = CliRunner().invoke(app, args, terminal_width=200)
+    assert result.exit_code == 2
+    assert "needs --lease-endpoint" in result.output and "Traceback" not in result.output
