@@ -33,7 +33,7 @@ from typing import Any, Literal, cast
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 import agentkv
-from agentkv._conversation import fingerprint
+from agentkv._ledger import fingerprint
 
 __all__ = [
     "DEFAULT_BASE_URL",
