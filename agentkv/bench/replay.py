@@ -473,7 +473,7 @@ async def replay_policy(
 
 async def wait_drained(decode_urls: Sequence[str], timeout_s: float) -> bool:
     """Wait until no decode instance retains blocks for a next turn."""
-    from agentkv.promtext import parse_metrics
+    from agentkv.protocol.promtext import parse_metrics
 
     deadline = time.monotonic() + timeout_s
     async with httpx.AsyncClient(trust_env=False, timeout=5) as client:
@@ -492,7 +492,7 @@ async def wait_drained(decode_urls: Sequence[str], timeout_s: float) -> bool:
 
 async def scrape(urls: Sequence[str], names: Sequence[str]) -> dict[str, float]:
     """Sum of each metric over ``urls`` (missing: 0)."""
-    from agentkv.promtext import parse_metrics
+    from agentkv.protocol.promtext import parse_metrics
 
     out = dict.fromkeys(names, 0.0)
     async with httpx.AsyncClient(trust_env=False, timeout=5) as client:

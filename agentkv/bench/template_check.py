@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agentkv._conversation import RenderJob
 from agentkv._drift import classify_drift
 from agentkv._exceptions import RenderError
+from agentkv._ledger import RenderJob
 from agentkv._rendering import LocalRenderer
 
 __all__ = [
