@@ -47,6 +47,7 @@ from agentkv.protocol import (
     HEADER_VERIFIED_PREFIX_TOKENS,
     KVTransferParams,
 )
+from agentkv.protocol import kv_transfer as kvt
 from agentkv.router.config import RouterConfig
 from agentkv.router.guard import GuardedStore
 from agentkv.router.http import Timeout, TransportError
@@ -151,15 +152,12 @@ def _sim_receipt(prefill: Mapping[str, str], decode: Mapping[str, str]) -> dict[
 
 
 def _reachable(params: dict[str, Any], engine: Engine) -> dict[str, Any]:
-    """The handle with a ``remote_host`` its reader can reach."""
-    out = dict(params)
+    """The handle with an owner address its reader can reach."""
     host = engine.backend.side_channel_host
-    if host is None and str(out.get("remote_host") or "") in _LOCAL_HOSTS:
+    if host is None and kvt.owner_host(params) in _LOCAL_HOSTS:
         url_host = urlsplit(engine.url).hostname or ""
         host = url_host if url_host not in _LOCAL_HOSTS else None
-    if host:
-        out["remote_host"] = host
-    return out
+    return kvt.with_owner_host(params, host) if host else dict(params)
 
 
 def _cap_local(local: int, n: int, block_size: int) -> int:
@@ -715,9 +713,9 @@ class Router:
         except ValidationError:
             log.warning("decode %s returned a handle of an unknown shape: not kept", engine.url)
             return
-        if handle is None or parsed is None or not parsed.remote_block_ids:
+        if handle is None or parsed is None or not parsed.has_blocks:
             return
-        num = parsed.remote_num_tokens or 0
+        num = parsed.num_tokens
         bs = self.config.block_size
         hashes, tail = held_record(captured.output_ids, num, prompt)
         stored = StoredHandle(

@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from agentkv.chat.template import ChatTemplate, TemplateError
 from agentkv.chat.tokenizer import ChatTokenizer
 from agentkv.protocol import BODY_SIM_SCRIPT, KVTransferParams
+from agentkv.protocol import kv_transfer as kvt
 from agentkv.sim.config import SimConfig
 from agentkv.sim.engine import EngineError, Finished, GenRequest, Scheduled
 from agentkv.sim.outputs import (
@@ -62,7 +63,7 @@ class Plan:
     tools: list[dict[str, Any]] | None
     prompt_ends_in_think: bool
     remote_cached_tokens: int | None
-    """On D: P's ``remote_prefill_cached_tokens`` (what D reports as ``cached_tokens``)."""
+    """On D: P's prefix-cache hit, from P's handle (what D reports as ``cached_tokens``)."""
     thinking: bool = True
     seed: int = 0
     tool_choice: str = "auto"
@@ -412,10 +413,7 @@ def _plan(r: Renderer, body: dict[str, Any], *, chat: bool, request_id: str) -> 
     stream = bool(body.get("stream"))
     opts = body.get("stream_options") or {}
     tools = body.get("tools") if isinstance(body.get("tools"), list) else None
-    remote_cached = None
-    if kv is not None and kv.get("do_remote_prefill"):
-        value = kv.get("remote_prefill_cached_tokens")
-        remote_cached = int(value) if isinstance(value, int) else None
+    remote_cached = kvt.prefill_cached_tokens(kv) if kv is not None else None
     gen = GenRequest(
         request_id=request_id,
         prompt_ids=prompt_ids,
