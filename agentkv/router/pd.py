@@ -48,6 +48,7 @@ from agentkv.protocol import (
     KVTransferParams,
 )
 from agentkv.protocol import kv_transfer as kvt
+from agentkv.protocol.http import ORJSONResponse
 from agentkv.router.config import RouterConfig
 from agentkv.router.guard import GuardedStore
 from agentkv.router.http import Timeout, TransportError
@@ -57,7 +58,7 @@ from agentkv.router.metrics import RouterMetrics
 from agentkv.router.relay import Relay, StreamOutcome
 from agentkv.router.request import ClientRequest, RouterError
 from agentkv.router.retention import Retention
-from agentkv.router.sse import Captured, ORJSONResponse, clean_response, synthesize_stream
+from agentkv.router.sse import Captured, clean_response, synthesize_stream
 from agentkv.router.store import StoredHandle, StoreKey
 from agentkv.router.tracing import trace_headers
 from agentkv.router.upstream import Engine, EnginePool, pick_decode, pick_prefill

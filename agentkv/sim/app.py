@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
 from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -32,8 +31,8 @@ from agentkv.protocol import (
     HEADER_REQUEST_ID,
     HEADER_SIM_MODEL_TTFT_MS,
     HEADER_SIM_WRONG_KV_TOKENS,
-    error_body,
 )
+from agentkv.protocol.http import error_response, json_object
 from agentkv.sim.clock import Clock
 from agentkv.sim.config import SimConfig
 from agentkv.sim.costmodel import PRESETS, CostModel, load_cost_file
@@ -73,21 +72,14 @@ class SimState:
     (empty when it carried none), shown by ``GET /_sim/state``."""
 
 
-def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param=param), status_code=status)
-
-
 async def _json_body(request: Request) -> dict[str, Any]:
     raw = await request.body()
     if len(raw) > MAX_BODY_BYTES:
         raise EngineError(413, "Request body too large.")
     try:
-        data = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise EngineError(400, f"Invalid JSON body: {exc}") from exc
-    if not isinstance(data, dict):
-        raise EngineError(400, "The request body must be a JSON object.")
-    return data
+        return json_object(raw)
+    except ValueError as exc:
+        raise EngineError(400, str(exc)) from exc
 
 
 def create_app(
@@ -192,12 +184,12 @@ def _guard(fn: Handler) -> Handler:
             response: Response = await fn(request)
             return response
         except EngineError as exc:
-            return _error(exc.status, exc.message, exc.param)
+            return error_response(exc.status, exc.message, exc.param)
         except (ValueError, TypeError, OverflowError) as exc:
-            return _error(400, str(exc))
+            return error_response(400, str(exc))
         except Exception as exc:
             _log.exception("unexpected error in %s %s", request.method, request.url.path)
-            return _error(500, f"Internal server error: {type(exc).__name__}")
+            return error_response(500, f"Internal server error: {type(exc).__name__}")
 
     return handler
 

@@ -22,6 +22,7 @@ from agentkv.chat.template import ChatTemplate, TemplateError
 from agentkv.chat.tokenizer import ChatTokenizer
 from agentkv.protocol import BODY_SIM_SCRIPT, KVTransferParams
 from agentkv.protocol import kv_transfer as kvt
+from agentkv.protocol.http import sse
 from agentkv.sim.config import SimConfig
 from agentkv.sim.engine import EngineError, Finished, GenRequest, Scheduled
 from agentkv.sim.outputs import (
@@ -33,7 +34,7 @@ from agentkv.sim.outputs import (
     stream_deltas,
 )
 
-__all__ = ["Plan", "Renderer", "plan_chat", "plan_completion", "sse"]
+__all__ = ["Plan", "Renderer", "plan_chat", "plan_completion"]
 
 _REUSED_IDS = "kv_transfer_params.prompt_token_ids"
 SYSTEM_FINGERPRINT = "vllm-0.33.0-a9e7c5e1"
@@ -41,12 +42,6 @@ SYSTEM_FINGERPRINT = "vllm-0.33.0-a9e7c5e1"
 every response and on a stream's usage chunk; the simulator's is fixed."""
 # vLLM's ``VLLMValidationError`` appends the parameter to its message.
 _REUSED_IDS_PARAM = f"parameter={_REUSED_IDS}"
-
-
-def sse(data: dict[str, Any] | str) -> bytes:
-    """One SSE event in vLLM's framing."""
-    payload = data.encode() if isinstance(data, str) else orjson.dumps(data)
-    return b"data: " + payload + b"\n\n"
 
 
 @dataclass
