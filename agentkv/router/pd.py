@@ -61,8 +61,8 @@ from agentkv.router.retention import Retention
 from agentkv.router.sse import Captured, clean_response, synthesize_stream
 from agentkv.router.store import StoredHandle, StoreKey
 from agentkv.router.tracing import trace_headers
-from agentkv.router.upstream import Engine, EnginePool, pick_decode, pick_prefill
-from agentkv.router.verify import Plan, PromptHashes, hash_root, held_record, plan_reuse
+from agentkv.router.upstream import EnginePool, Upstream, pick_decode, pick_prefill
+from agentkv.router.verify import PromptHashes, ReusePlan, hash_root, held_record, plan_reuse
 
 __all__ = ["LocalPrefix", "Receipt", "Router", "UpstreamError"]
 
@@ -116,7 +116,7 @@ class Receipt:
 @dataclass
 class _Prefilled:
     params: dict[str, Any]
-    engine: Engine
+    engine: Upstream
     receipt: Receipt
     sim_headers: dict[str, str] = field(default_factory=dict)
     """P's simulator receipt headers (agentkv's engine simulator only)."""
@@ -126,7 +126,7 @@ class _Prefilled:
 class _Attempt:
     """The plan as P's attempts change it (a handle lost to a failed read is dropped from it)."""
 
-    plan: Plan
+    plan: ReusePlan
     key: StoreKey | None
 
 
@@ -152,7 +152,7 @@ def _sim_receipt(prefill: Mapping[str, str], decode: Mapping[str, str]) -> dict[
     return out
 
 
-def _reachable(params: dict[str, Any], engine: Engine) -> dict[str, Any]:
+def _reachable(params: dict[str, Any], engine: Upstream) -> dict[str, Any]:
     """The handle with an owner address its reader can reach."""
     host = engine.backend.side_channel_host
     if host is None and kvt.owner_host(params) in _LOCAL_HOSTS:
@@ -205,7 +205,7 @@ class Router:
             await asyncio.gather(*self._background, return_exceptions=True)
         await self.relay.aclose()
 
-    def _drop_handles_of(self, engine: Engine) -> None:
+    def _drop_handles_of(self, engine: Upstream) -> None:
         async def drop() -> None:
             n = await self.store.drop_decode(engine.url)
             if n:
@@ -297,7 +297,7 @@ class Router:
     # -- 3. prefill --------------------------------------------------------------------------
     def _choose_prefill(
         self, req: ClientRequest, ids: list[int], need_bidirectional: bool
-    ) -> tuple[Engine | None, int | None]:
+    ) -> tuple[Upstream | None, int | None]:
         """(P, L): with KV events, the P with the longest local prefix (ties: affinity, load)."""
         preferred = pick_prefill(
             self.pool.prefill,
@@ -309,7 +309,7 @@ class Router:
             return preferred, None
         bs = self.config.block_size
 
-        def local(e: Engine) -> int:
+        def local(e: Upstream) -> int:
             index = self.local_prefix[e.url]
             return _cap_local(index.local_prefix_tokens(ids, req.cache_salt), len(ids), bs)
 
@@ -328,7 +328,7 @@ class Router:
                 best, best_local = e, n
         return best, best_local
 
-    def _covered_locally(self, plan: Plan, n: int, local: int | None) -> bool:
+    def _covered_locally(self, plan: ReusePlan, n: int, local: int | None) -> bool:
         """A partly verified handle whose verified part P holds itself (M below threshold)."""
         if plan.params is None or plan.release or plan.taken is None or local is None:
             return False
@@ -341,7 +341,7 @@ class Router:
         threshold = self.config.kv_recompute_threshold
         return m > 0 and not (threshold > 0 and m < threshold)
 
-    def _receipt(self, plan: Plan, n: int, local: int | None) -> Receipt:
+    def _receipt(self, plan: ReusePlan, n: int, local: int | None) -> Receipt:
         """M = max(0, min(C, N) − L), zero when below P's threshold (P then only notifies D)."""
         if plan.params is None or plan.release:
             return Receipt(plan.decision, 0, plan.verified_tokens, local, plan.cause)
@@ -464,7 +464,9 @@ class Router:
         ) as span:
             return await self._turn(req, span)
 
-    async def _plan(self, req: ClientRequest, key: StoreKey | None, hashes: PromptHashes) -> Plan:
+    async def _plan(
+        self, req: ClientRequest, key: StoreKey | None, hashes: PromptHashes
+    ) -> ReusePlan:
         """Choose and take a handle; a handle another replica took first is skipped."""
         can_pull = any(e.healthy and e.backend.bidirectional for e in self.pool.prefill)
         candidates = await self.store.candidates(key) if key else []
@@ -488,9 +490,9 @@ class Router:
                 self.metrics.handle_age.observe(taken.age_s)
                 return replace(plan, taken=taken)
             candidates = [c for c in candidates if c.handle.id != plan.taken.handle.id]
-        return Plan("miss", None, 0, 0, False)
+        return ReusePlan("miss", None, 0, 0, False)
 
-    async def _restore(self, key: StoreKey | None, plan: Plan) -> None:
+    async def _restore(self, key: StoreKey | None, plan: ReusePlan) -> None:
         """Put an unspent handle back (it keeps its age); a release-only plan releases it."""
         if key is None or plan.taken is None:
             return
@@ -541,7 +543,7 @@ class Router:
         req: ClientRequest,
         ids: list[int],
         pre: _Prefilled,
-        engine: Engine,
+        engine: Upstream,
         span: trace.Span,
         started: float,
     ) -> None:
@@ -599,7 +601,7 @@ class Router:
         req: ClientRequest,
         hashes: PromptHashes,
         pre: _Prefilled,
-        engine: Engine,
+        engine: Upstream,
         key: StoreKey | None,
         started: float,
     ) -> Response:
@@ -706,7 +708,7 @@ class Router:
         key: StoreKey | None,
         prompt: PromptHashes,
         captured: Captured,
-        engine: Engine,
+        engine: Upstream,
     ) -> None:
         handle = captured.handle
         try:

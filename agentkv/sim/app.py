@@ -40,8 +40,8 @@ from agentkv.sim.engine import Engine, EngineError, Finished, Scheduled
 from agentkv.sim.faults import Faults
 from agentkv.sim.metrics import SimMetrics
 from agentkv.sim.serving import (
-    Plan,
-    Renderer,
+    RequestPlan,
+    SimRenderer,
     StreamWriter,
     full_response,
     plan_chat,
@@ -64,7 +64,7 @@ class SimState:
 
     config: SimConfig
     engine: Engine
-    renderer: Renderer
+    renderer: SimRenderer
     metrics: SimMetrics
     faults: Faults
     trace_context: dict[str, str] = field(default_factory=dict)
@@ -123,7 +123,7 @@ def create_app(
         transfer=transfer or TransferClient(),
         vocab_size=tok.vocab_size,
     )
-    state = SimState(cfg, engine, Renderer(cfg, tok, tmpl), metrics, faults or Faults())
+    state = SimState(cfg, engine, SimRenderer(cfg, tok, tmpl), metrics, faults or Faults())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -234,8 +234,8 @@ def _generate(state: SimState, *, chat: bool) -> Handler:
 
 
 async def _stream(
-    r: Renderer,
-    plan: Plan,
+    r: SimRenderer,
+    plan: RequestPlan,
     sched: Scheduled,
     events: AsyncIterator[Scheduled | int | Finished],
     with_handle: bool,

@@ -34,7 +34,7 @@ from agentkv.sim.outputs import (
     stream_deltas,
 )
 
-__all__ = ["Plan", "Renderer", "plan_chat", "plan_completion"]
+__all__ = ["RequestPlan", "SimRenderer", "plan_chat", "plan_completion"]
 
 _REUSED_IDS = "kv_transfer_params.prompt_token_ids"
 SYSTEM_FINGERPRINT = "vllm-0.33.0-a9e7c5e1"
@@ -45,7 +45,7 @@ _REUSED_IDS_PARAM = f"parameter={_REUSED_IDS}"
 
 
 @dataclass
-class Plan:
+class RequestPlan:
     """A parsed request: what to run and how to answer."""
 
     gen: GenRequest
@@ -68,7 +68,7 @@ class Plan:
 
 
 @dataclass
-class Renderer:
+class SimRenderer:
     """Tokenizer + template + configuration: turns requests into prompts and outputs."""
 
     config: SimConfig
@@ -371,7 +371,7 @@ def _common(body: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
     return (dict(kv) if kv is not None else None), salt
 
 
-def _plan(r: Renderer, body: dict[str, Any], *, chat: bool, request_id: str) -> Plan:
+def _plan(r: SimRenderer, body: dict[str, Any], *, chat: bool, request_id: str) -> RequestPlan:
     kv, salt = _common(body)
     if chat:
         prompt_ids, ends_in_think = r.chat_prompt_ids(body, kv)
@@ -419,7 +419,7 @@ def _plan(r: Renderer, body: dict[str, Any], *, chat: bool, request_id: str) -> 
         cache_salt=salt,
         streaming=stream,
     )
-    return Plan(
+    return RequestPlan(
         gen=gen,
         chat=chat,
         model=str(body.get("model") or r.config.served_model_name),
@@ -459,11 +459,11 @@ def _min_tokens(body: dict[str, Any], max_tokens: int | None, room: int) -> int:
     return value
 
 
-def plan_chat(r: Renderer, body: dict[str, Any], base_id: str | None) -> Plan:
+def plan_chat(r: SimRenderer, body: dict[str, Any], base_id: str | None) -> RequestPlan:
     return _plan(r, body, chat=True, request_id=_request_id("chatcmpl", base_id))
 
 
-def plan_completion(r: Renderer, body: dict[str, Any], base_id: str | None) -> Plan:
+def plan_completion(r: SimRenderer, body: dict[str, Any], base_id: str | None) -> RequestPlan:
     return _plan(r, body, chat=False, request_id=_request_id("cmpl", base_id))
 
 
@@ -472,7 +472,9 @@ def _request_id(prefix: str, base: str | None) -> str:
 
 
 # -- responses ------------------------------------------------------------------------------
-def usage(r: Renderer, plan: Plan, sched: Scheduled, completion_tokens: int) -> dict[str, Any]:
+def usage(
+    r: SimRenderer, plan: RequestPlan, sched: Scheduled, completion_tokens: int
+) -> dict[str, Any]:
     n = sched.num_prompt_tokens
     out: dict[str, Any] = {
         "prompt_tokens": n,
@@ -491,28 +493,28 @@ def usage(r: Renderer, plan: Plan, sched: Scheduled, completion_tokens: int) -> 
     return out
 
 
-def _stopped(plan: Plan, ids: Sequence[int]) -> bool:
+def _stopped(plan: RequestPlan, ids: Sequence[int]) -> bool:
     """Whether ``ids`` (what the engine emitted) end at the planned stop string."""
     return plan.stop is not None and len(ids) == plan.stop.num_tokens
 
 
-def _stop_reason(plan: Plan, ids: Sequence[int]) -> str | None:
+def _stop_reason(plan: RequestPlan, ids: Sequence[int]) -> str | None:
     return plan.stop.stop if plan.stop is not None and _stopped(plan, ids) else None
 
 
-def _engine_finish(plan: Plan, fin: Finished) -> str:
+def _engine_finish(plan: RequestPlan, fin: Finished) -> str:
     # A stop string wins over the length limit on the same token (vLLM's output processor).
     return "stop" if _stopped(plan, fin.output_ids) else fin.finish_reason
 
 
-def _finish_reason(plan: Plan, fin: Finished, has_tools: bool) -> str:
+def _finish_reason(plan: RequestPlan, fin: Finished, has_tools: bool) -> str:
     finish = _engine_finish(plan, fin)
     if has_tools and finish == "stop":
         return "tool_calls"
     return finish
 
 
-def _text(r: Renderer, plan: Plan, ids: Sequence[int]) -> str:
+def _text(r: SimRenderer, plan: RequestPlan, ids: Sequence[int]) -> str:
     """The output text vLLM returns for ``ids``: cut before the stop string that ended it."""
     text = r.tokenizer.decode(ids, skip_special_tokens=True)
     if plan.stop is not None and _stopped(plan, ids):
@@ -520,7 +522,7 @@ def _text(r: Renderer, plan: Plan, ids: Sequence[int]) -> str:
     return text
 
 
-def _parse_kwargs(r: Renderer, plan: Plan) -> dict[str, Any]:
+def _parse_kwargs(r: SimRenderer, plan: RequestPlan) -> dict[str, Any]:
     return {
         "reasoning": r.config.reasoning_parser,
         "thinking": plan.thinking,
@@ -530,7 +532,7 @@ def _parse_kwargs(r: Renderer, plan: Plan) -> dict[str, Any]:
     }
 
 
-def _message(r: Renderer, plan: Plan, ids: Sequence[int]) -> tuple[dict[str, Any], bool]:
+def _message(r: SimRenderer, plan: RequestPlan, ids: Sequence[int]) -> tuple[dict[str, Any], bool]:
     parsed = parse_output(_text(r, plan, ids), **_parse_kwargs(r, plan))
     msg: dict[str, Any] = {
         "role": "assistant",
@@ -549,7 +551,9 @@ def _message(r: Renderer, plan: Plan, ids: Sequence[int]) -> tuple[dict[str, Any
     return msg, bool(parsed.tool_calls)
 
 
-def full_response(r: Renderer, plan: Plan, sched: Scheduled, fin: Finished) -> dict[str, Any]:
+def full_response(
+    r: SimRenderer, plan: RequestPlan, sched: Scheduled, fin: Finished
+) -> dict[str, Any]:
     """The non-streaming body: every field of vLLM 0.33's response model, as ``model_dump()``
     writes it (unset fields ``null``)."""
     gen = plan.gen
@@ -622,7 +626,7 @@ class StreamWriter:
     carries both.
     """
 
-    def __init__(self, r: Renderer, plan: Plan, *, with_handle: bool) -> None:
+    def __init__(self, r: SimRenderer, plan: RequestPlan, *, with_handle: bool) -> None:
         self.r, self.plan, self.with_handle = r, plan, with_handle
         self.id = plan.gen.request_id.rsplit("-", 1)[0]
         self.count = 0
