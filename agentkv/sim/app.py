@@ -39,14 +39,8 @@ from agentkv.sim.costmodel import PRESETS, CostModel, load_cost_file
 from agentkv.sim.engine import Engine, EngineError, Finished, Scheduled
 from agentkv.sim.faults import Faults
 from agentkv.sim.metrics import SimMetrics
-from agentkv.sim.serving import (
-    RequestPlan,
-    SimRenderer,
-    StreamWriter,
-    full_response,
-    plan_chat,
-    plan_completion,
-)
+from agentkv.sim.responses import StreamWriter, full_response
+from agentkv.sim.serving import RequestPlan, SimRenderer, plan_chat, plan_completion
 from agentkv.sim.transfer import TransferClient
 
 __all__ = ["SimState", "create_app"]
