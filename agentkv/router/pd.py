@@ -37,14 +37,6 @@ from pydantic import ValidationError
 from starlette.responses import Response, StreamingResponse
 
 from agentkv.protocol import (
-    HEADER_DECISION,
-    HEADER_ESTIMATED,
-    HEADER_LOCAL_PREFIX_TOKENS,
-    HEADER_REUSED_TOKENS,
-    HEADER_SIM_MODEL_TTFT_MS,
-    HEADER_SIM_WRONG_KV_TOKENS,
-    HEADER_TRIM_CAUSE,
-    HEADER_VERIFIED_PREFIX_TOKENS,
     KVTransferParams,
 )
 from agentkv.protocol import kv_transfer as kvt
@@ -55,6 +47,7 @@ from agentkv.router.http import Timeout, TransportError
 from agentkv.router.leases import Leases, MemoryLeases
 from agentkv.router.logs import safe
 from agentkv.router.metrics import RouterMetrics
+from agentkv.router.receipt import Receipt, account, sim_receipt
 from agentkv.router.relay import Relay, StreamOutcome
 from agentkv.router.request import ClientRequest, RouterError
 from agentkv.router.retention import Retention
@@ -85,34 +78,6 @@ class LocalPrefix(Protocol):
     def local_prefix_tokens(self, prompt_ids: Sequence[int], cache_salt: str | None) -> int: ...
 
 
-@dataclass(frozen=True)
-class Receipt:
-    """What the turn really did, for the client's headers and the metrics."""
-
-    decision: str
-    reused: int
-    """M: tokens P reads from D."""
-    verified: int
-    """C."""
-    local: int | None
-    """L (None: unknown, P's KV events are off)."""
-    cause: str | None
-
-    def headers(self) -> dict[str, str]:
-        out = {
-            HEADER_DECISION: self.decision,
-            HEADER_REUSED_TOKENS: str(self.reused),
-            HEADER_VERIFIED_PREFIX_TOKENS: str(self.verified),
-        }
-        if self.local is None:
-            out[HEADER_ESTIMATED] = "1"
-        else:
-            out[HEADER_LOCAL_PREFIX_TOKENS] = str(self.local)
-        if self.cause:
-            out[HEADER_TRIM_CAUSE] = self.cause
-        return out
-
-
 @dataclass
 class _Prefilled:
     params: dict[str, Any]
@@ -128,28 +93,6 @@ class _Attempt:
 
     plan: ReusePlan
     key: StoreKey | None
-
-
-def _sim_receipt(prefill: Mapping[str, str], decode: Mapping[str, str]) -> dict[str, str]:
-    """The turn's simulator receipt from P's and D's (absent with real vLLM): the modelled TTFT
-    is P's plus D's, the wrong-KV tokens the larger count (D's wrong tokens are those it pulled
-    from a P that read wrong KV, plus its own poisoned prefix cache)."""
-    out: dict[str, str] = {}
-    ttft = [
-        float(h[HEADER_SIM_MODEL_TTFT_MS])
-        for h in (prefill, decode)
-        if HEADER_SIM_MODEL_TTFT_MS in h
-    ]
-    if ttft:
-        out[HEADER_SIM_MODEL_TTFT_MS] = f"{sum(ttft):.3f}"
-    wrong = [
-        int(h[HEADER_SIM_WRONG_KV_TOKENS])
-        for h in (prefill, decode)
-        if HEADER_SIM_WRONG_KV_TOKENS in h
-    ]
-    if wrong:
-        out[HEADER_SIM_WRONG_KV_TOKENS] = str(max(wrong))
-    return out
 
 
 def _reachable(params: dict[str, Any], engine: Upstream) -> dict[str, Any]:
@@ -429,7 +372,7 @@ class Router:
                     raise RouterError(
                         502, f"Prefill instance {engine.url} returned no kv_transfer_params."
                     )
-                sim = _sim_receipt(r.headers, {})
+                sim = sim_receipt(r.headers, {})
                 receipt = self._receipt(plan, len(ids), local)
                 return _Prefilled(_reachable(handle, engine), engine, receipt, sim)
             self.metrics.upstream_errors.labels("prefill", str(r.status_code)).inc()
@@ -534,66 +477,9 @@ class Router:
             except _BeforeFirstByte:
                 self.metrics.retries.labels("decode_error").inc()
                 continue
-            self._account(req, ids, pre, engine, span, started)
+            account(self.metrics, req, ids, pre.receipt, pre.engine.url, engine.url, span, started)
             return response
         raise RouterError(502, "No decode instance answered.")
-
-    def _account(
-        self,
-        req: ClientRequest,
-        ids: list[int],
-        pre: _Prefilled,
-        engine: Upstream,
-        span: trace.Span,
-        started: float,
-    ) -> None:
-        r = pre.receipt
-        self.metrics.requests.labels("chat" if req.chat else "completions", r.decision).inc()
-        self.metrics.reused_tokens.inc(r.reused)
-        self.metrics.verified_tokens.inc(r.verified)
-        self.metrics.prompt_tokens.inc(len(ids))
-        if r.local is None:
-            self.metrics.estimated.inc()
-        else:
-            self.metrics.local_prefix_tokens.inc(r.local)
-        if r.cause:
-            self.metrics.trimmed.labels(r.cause).inc()
-        span.set_attributes(
-            {
-                "agentkv.decision": r.decision,
-                "agentkv.reused_tokens": r.reused,
-                "agentkv.verified_prefix_tokens": r.verified,
-                "agentkv.local_prefix_tokens": -1 if r.local is None else r.local,
-                "agentkv.prompt_tokens": len(ids),
-                "agentkv.prefill.url": pre.engine.url,
-                "agentkv.decode.url": engine.url,
-            }
-        )
-        log.info(
-            "turn conversation=%s tenant=%s epoch=%d decision=%s reused=%d verified=%d local=%s "
-            "prompt_tokens=%d prefill=%s decode=%s ms=%.1f",
-            safe(req.conversation_id),
-            safe(req.tenant),
-            req.epoch,
-            r.decision,
-            r.reused,
-            r.verified,
-            "?" if r.local is None else r.local,
-            len(ids),
-            pre.engine.url,
-            engine.url,
-            (time.perf_counter() - started) * 1000,
-            extra={
-                "conversation_id": safe(req.conversation_id or ""),
-                "tenant": safe(req.tenant),
-                "epoch": req.epoch,
-                "decision": r.decision,
-                "reused": r.reused,
-                "verified": r.verified,
-                "local": r.local,
-                "prompt_tokens": len(ids),
-            },
-        )
 
     # -- 4. decode ----------------------------------------------------------------------------
     async def _decode(
@@ -645,7 +531,7 @@ class Router:
             raise UpstreamError(upstream.status_code, content)
         self.metrics.d_first_byte.observe(time.perf_counter() - t0)
         self.metrics.first_byte.labels(pre.receipt.decision).observe(time.perf_counter() - started)
-        headers.update(_sim_receipt(pre.sim_headers, upstream.headers))
+        headers.update(sim_receipt(pre.sim_headers, upstream.headers))
         if not relay:
             try:
                 data = orjson.loads(await upstream.aread())
