@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shlex
 from typing import Annotated
 
@@ -66,6 +65,7 @@ def serve(
 
     from agentkv.serve import ProfileError, check_runtime, expand
     from agentkv.serve.ports import with_ports
+    from agentkv.serve.render_json import command_line
     from agentkv.serve.supervisor import ServeError, Supervisor
     from agentkv.serve.tracing import tracing_line
 
@@ -80,9 +80,8 @@ def serve(
     console = Console(stderr=True)
     if dry_run:
         for spec in deployment.processes:
-            env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(spec.env.items()))
             console.print(f"[bold]{spec.name}[/] ({spec.health_url})", highlight=False)
-            typer.echo(f"  {env + ' ' if env else ''}{shlex.join(spec.argv)}")
+            typer.echo(f"  {command_line(spec)}")
             if spec.config_file is not None:
                 typer.echo(f"  {{config_dir}}/{spec.config_file[0]}: {spec.config_file[1]}")
         return
@@ -170,32 +169,16 @@ def profiles_render(
     """Print what a profile expands to: each process's argv and env, JSON, or Kubernetes
     manifests."""
     from agentkv.serve import expand, render_k8s
+    from agentkv.serve.render_json import command_line, deployment_json
 
     prof = load_profile(name)
     if format == "k8s":
         typer.echo(render_k8s(prof, namespace=namespace))
     elif format == "json":
-        deployment = expand(prof)
-        data = {
-            "processes": [
-                {
-                    "name": s.name,
-                    "role": s.role,
-                    "argv": s.argv,
-                    "env": s.env,
-                    "port": s.port,
-                    "health_url": s.health_url,
-                }
-                for s in deployment.processes
-            ],
-            "router_config": deployment.router_config,
-            "base_url": deployment.base_url,
-        }
-        typer.echo(json.dumps(data, indent=2))
+        typer.echo(deployment_json(expand(prof)))
     elif format == "argv":
         for spec in expand(prof).processes:
-            env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(spec.env.items()))
-            typer.echo(f"# {spec.name}\n{env + ' ' if env else ''}{shlex.join(spec.argv)}")
+            typer.echo(f"# {spec.name}\n{command_line(spec)}")
     else:
         typer.echo("agentkv: --format must be argv, json or k8s", err=True)
         raise typer.Exit(2)
