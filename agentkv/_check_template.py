@@ -2,24 +2,5 @@
 
 from __future__ import annotations
 
-from agentkv.bench.template_check import (
-    SYSTEM,
-    TOOLS,
-    CheckError,
-    TemplateReport,
-    TurnCheck,
-    check_template,
-    generated_part,
-    scripted_turns,
-)
-
-__all__ = [
-    "SYSTEM",
-    "TOOLS",
-    "CheckError",
-    "TemplateReport",
-    "TurnCheck",
-    "check_template",
-    "generated_part",
-    "scripted_turns",
-]
+from agentkv.bench.template_check import *  # noqa: F403
+from agentkv.bench.template_check import __all__ as __all__

@@ -2,7 +2,8 @@
 
 :class:`_BaseClient` holds what the twins share (the ``openai`` client without its own retries,
 the renderer, the retry policy, the lease renewer, making and resuming conversations); each
-twin only names its ``openai`` class, its remote renderer, its lease driver and how it closes.
+twin only names its ``openai`` class, its remote renderer, its lease driver, its conversation
+class and how it closes.
 """
 
 from __future__ import annotations
@@ -63,17 +64,22 @@ class _BaseClient(Generic[OpenAIT, R, V]):
             weakref.finalize(self, self._lease.close)
 
     # -- what each twin names -----------------------------------------------------------------
+    _OPENAI: ClassVar[type[openai.OpenAI | openai.AsyncOpenAI]]
+    _REMOTE_RENDERER: ClassVar[type[RemoteRenderer | AsyncRemoteRenderer]]
+    _LEASE_RENEWER: ClassVar[type[LeaseRenewer | AsyncLeaseRenewer]]
+    _CONVERSATION: ClassVar[type[Conversation | AsyncConversation]]
+
     def _new_openai(self, **kwargs: Any) -> OpenAIT:
-        raise NotImplementedError
+        return self._OPENAI(**kwargs)  # type: ignore[return-value]
 
     def _remote_renderer(self, client: OpenAIT) -> R:
-        raise NotImplementedError
+        return self._REMOTE_RENDERER.for_client(client)  # type: ignore[arg-type,return-value]
 
     def _new_lease(self, client: OpenAIT, lease_s: float) -> _Driver[Any]:
-        raise NotImplementedError
+        return self._LEASE_RENEWER.for_openai(client, lease_s)
 
     def _conversation(self, ledger: Ledger) -> V:
-        raise NotImplementedError
+        return self._CONVERSATION(self, ledger)  # type: ignore[arg-type,return-value]
 
     # -- shared -------------------------------------------------------------------------------
     @property
@@ -127,18 +133,10 @@ class Client(_BaseClient[openai.OpenAI, Renderer, Conversation]):
     """
 
     _RENDERER = "a Renderer"
-
-    def _new_openai(self, **kwargs: Any) -> openai.OpenAI:
-        return openai.OpenAI(**kwargs)
-
-    def _remote_renderer(self, client: openai.OpenAI) -> Renderer:
-        return RemoteRenderer.for_client(client)
-
-    def _new_lease(self, client: openai.OpenAI, lease_s: float) -> _Driver[Any]:
-        return LeaseRenewer.for_openai(client, lease_s)
-
-    def _conversation(self, ledger: Ledger) -> Conversation:
-        return Conversation(self, ledger)
+    _OPENAI = openai.OpenAI
+    _REMOTE_RENDERER = RemoteRenderer
+    _LEASE_RENEWER = LeaseRenewer
+    _CONVERSATION = Conversation
 
     def close(self) -> None:
         """Stop the lease renewer; close the HTTP connections (the openai client's and the
@@ -161,18 +159,10 @@ class AsyncClient(_BaseClient[openai.AsyncOpenAI, AsyncRenderer, AsyncConversati
     """``openai.AsyncOpenAI`` with agentkv conversations (see :class:`Client`)."""
 
     _RENDERER = "an AsyncRenderer"
-
-    def _new_openai(self, **kwargs: Any) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(**kwargs)
-
-    def _remote_renderer(self, client: openai.AsyncOpenAI) -> AsyncRenderer:
-        return AsyncRemoteRenderer.for_client(client)
-
-    def _new_lease(self, client: openai.AsyncOpenAI, lease_s: float) -> _Driver[Any]:
-        return AsyncLeaseRenewer.for_openai(client, lease_s)
-
-    def _conversation(self, ledger: Ledger) -> AsyncConversation:
-        return AsyncConversation(self, ledger)
+    _OPENAI = openai.AsyncOpenAI
+    _REMOTE_RENDERER = AsyncRemoteRenderer
+    _LEASE_RENEWER = AsyncLeaseRenewer
+    _CONVERSATION = AsyncConversation
 
     async def close(self) -> None:
         """Like :meth:`Client.close`."""

@@ -79,13 +79,12 @@ def _tokenize_body(job: RenderJob, model: str | None, call: ChatCall) -> dict[st
         "add_generation_prompt": call.add_generation_prompt,
         "continue_final_message": call.continue_final_message,
     }
-    if model:
-        body["model"] = model
-    if job.tools:
-        body["tools"] = job.tools
-    if job.chat_template_kwargs:
-        body["chat_template_kwargs"] = job.chat_template_kwargs
-    return body
+    optional = {
+        "model": model,
+        "tools": job.tools,
+        "chat_template_kwargs": job.chat_template_kwargs,
+    }
+    return body | {name: value for name, value in optional.items() if value}
 
 
 def _text_body(model: str | None, text: str) -> dict[str, Any]:

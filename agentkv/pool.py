@@ -483,38 +483,32 @@ def client_factories(
     if lease_s is not None:
         options["lease_s"] = lease_s
 
+    def settings(renderer: Any, like: agentkv.Client | agentkv.AsyncClient | None) -> Any:
+        """The twin's connection: ``like``'s base URL, API key and retries, else the
+        arguments."""
+        if like is None:
+            return {"base_url": url, "api_key": key, "retries": retries, **options}
+        return {
+            "base_url": str(like.openai.base_url),
+            "api_key": like.openai.api_key,
+            "retries": like.retry,
+            "renderer": renderer,
+            **options,
+        }
+
     def make_client() -> agentkv.Client:
         if client is not None:
             return client
-        if async_client is not None:
-            renderer: Any = "remote"
-            local = async_client.renderer
-            if isinstance(local, agentkv.AsyncLocalRenderer):
-                renderer = local.local
-            return agentkv.Client(
-                base_url=str(async_client.openai.base_url),
-                api_key=async_client.openai.api_key,
-                retries=async_client.retry,
-                renderer=renderer,
-                **options,
-            )
-        return agentkv.Client(base_url=url, api_key=key, retries=retries, **options)
+        local = async_client.renderer if async_client is not None else None
+        renderer = local.local if isinstance(local, agentkv.AsyncLocalRenderer) else "remote"
+        return agentkv.Client(**settings(renderer, async_client))
 
     def make_async_client() -> agentkv.AsyncClient:
         if async_client is not None:
             return async_client
-        if client is not None:
-            renderer: Any = "remote"
-            if isinstance(client.renderer, agentkv.LocalRenderer):
-                renderer = client.renderer.as_async()
-            return agentkv.AsyncClient(
-                base_url=str(client.openai.base_url),
-                api_key=client.openai.api_key,
-                retries=client.retry,
-                renderer=renderer,
-                **options,
-            )
-        return agentkv.AsyncClient(base_url=url, api_key=key, retries=retries, **options)
+        local = client.renderer if client is not None else None
+        renderer = local.as_async() if isinstance(local, agentkv.LocalRenderer) else "remote"
+        return agentkv.AsyncClient(**settings(renderer, client))
 
     return make_client, make_async_client, (client is None, async_client is None)
 

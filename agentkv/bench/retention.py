@@ -41,7 +41,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypedDict
+
+from typing_extensions import Unpack
 
 from agentkv.bench.plan import Step, Tail, steps_of
 from agentkv.bench.traces import Session
@@ -289,28 +291,26 @@ def retention_table(
     return rows
 
 
+class RetentionOptions(TypedDict, total=False):
+    """:func:`retention_table`'s options that :func:`retention_report` passes on."""
+
+    fixed_ttls: Sequence[float]
+    lease: LeaseParams | None
+    horizon_s: float
+
+
 def retention_report(
     sessions: Sequence[Session],
     families: Sequence[str],
     *,
-    fixed_ttls: Sequence[float] = DEFAULT_FIXED_TTLS,
-    lease: LeaseParams | None = None,
     block_size: int = 16,
-    horizon_s: float = 3600.0,
+    **options: Unpack[RetentionOptions],
 ) -> list[RetentionRow]:
     """:func:`retention_table` over a trace's sessions."""
     steps, tails = steps_of(sessions, block_size)
     if not steps:
         raise ValueError("the trace has no session with two turns or more")
-    return retention_table(
-        steps,
-        tails,
-        families,
-        fixed_ttls=fixed_ttls,
-        lease=lease,
-        block_size=block_size,
-        horizon_s=horizon_s,
-    )
+    return retention_table(steps, tails, families, block_size=block_size, **options)
 
 
 def best_lease(rows: Sequence[RetentionRow], max_vs_fixed_450: float = 1.0) -> RetentionRow | None:

@@ -316,6 +316,11 @@ def _fmt(value: float | None, digits: int = 1, suffix: str = "") -> str:
     return f"{value:,.{digits}f}{suffix}"
 
 
+def _in_order(summaries: Mapping[str, PolicySummary]) -> list[tuple[str, PolicySummary]]:
+    """The policies that were run, in the report's order."""
+    return [(policy, summaries[policy]) for policy in POLICIES if policy in summaries]
+
+
 def summary_rows(summaries: Mapping[str, PolicySummary]) -> list[list[str]]:
     """The terminal and markdown summary table (header first)."""
     rows = [
@@ -334,10 +339,7 @@ def summary_rows(summaries: Mapping[str, PolicySummary]) -> list[list[str]]:
             "retained block-hours",
         ]
     ]
-    for policy in POLICIES:
-        s = summaries.get(policy)
-        if s is None:
-            continue
+    for policy, s in _in_order(summaries):
         d = s.to_dict()
         rows.append(
             [
@@ -378,10 +380,7 @@ def kind_rows(summaries: Mapping[str, PolicySummary]) -> list[list[str]]:
             "wrong-KV tokens (turns)",
         ]
     ]
-    for policy in POLICIES:
-        s = summaries.get(policy)
-        if s is None:
-            continue
+    for policy, s in _in_order(summaries):
         for kind in ("append", "strip", "rewrite"):
             k = s.by_kind.get(kind)
             if k is None:

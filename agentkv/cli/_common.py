@@ -1,13 +1,40 @@
-"""What several commands share: one-line configuration errors, profile loading, number lists,
-tables."""
+"""What several commands share: options and arguments, command groups, one-line configuration
+errors, profile loading, number lists, tables."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 
-__all__ = ["exit_on_sigterm", "floats", "load_profile", "one_line", "print_rows"]
+__all__ = [
+    "BlockSize",
+    "DryRun",
+    "ProfileFile",
+    "Trace",
+    "TraceFormat",
+    "exit_on_sigterm",
+    "floats",
+    "group",
+    "load_profile",
+    "one_line",
+    "print_rows",
+]
+
+# Options and arguments that several commands take, with the same help.
+Trace = Annotated[str, typer.Argument(help="Claude Code (.jsonl[.xz]), Mooncake or vLLM JSON.")]
+TraceFormat = Annotated[
+    str | None, typer.Option("--format", help="claude-code | mooncake | vllm-multi-turn [auto].")
+]
+BlockSize = Annotated[int, typer.Option(help="Engines' KV block size.")]
+DryRun = Annotated[bool, typer.Option("--dry-run", help="Print what would run.")]
+ProfileFile = Annotated[str, typer.Argument(help="Built-in profile name or TOML file.")]
+
+
+def group(help: str) -> typer.Typer:
+    """A command group (``agentkv bench …``): its help, and the list of its commands when it
+    is given none."""
+    return typer.Typer(help=help, no_args_is_help=True, rich_markup_mode="markdown")
 
 
 def one_line(exc: Exception, flags: dict[str, str]) -> str:

@@ -6,20 +6,18 @@ from typing import Annotated, Any
 
 import typer
 
-from agentkv.cli._common import exit_on_sigterm, floats, print_rows
+from agentkv.cli._common import Trace, TraceFormat, exit_on_sigterm, floats, group, print_rows
 
 __all__ = ["bench_app"]
 
-bench_app = typer.Typer(
-    help="Benchmarks: replay real agent traces through the SDK and router; preset TTFT curves.",
-    no_args_is_help=True,
-    rich_markup_mode="markdown",
+bench_app = group(
+    "Benchmarks: replay real agent traces through the SDK and router; preset TTFT curves."
 )
 
 
 @bench_app.command("replay")
 def bench_replay(
-    trace: Annotated[str, typer.Argument(help="Claude Code (.jsonl[.xz]), Mooncake or vLLM JSON.")],
+    trace: Trace,
     endpoint: Annotated[
         str | None,
         typer.Option(help="agentkv router's OpenAI base URL (…/v1) of a running deployment."),
@@ -60,10 +58,7 @@ def bench_replay(
     decoder_ttl: Annotated[
         float, typer.Option(help="--endpoint: D's decoder_kv_blocks_ttl in real seconds.")
     ] = 480.0,
-    trace_format: Annotated[
-        str | None,
-        typer.Option("--format", help="claude-code | mooncake | vllm-multi-turn [auto]."),
-    ] = None,
+    trace_format: TraceFormat = None,
     subagents: Annotated[
         bool, typer.Option("--subagents", help="Claude Code: sub-agents as sessions too.")
     ] = False,
@@ -199,77 +194,37 @@ def bench_curves(
     """Run the published benchmark's two scenarios (recompute; reuse of all but the last 10 %)
     as real P/D turns through the router and simulator processes of each preset, and plot them
     against the cost model and the published points."""
-    import asyncio
     import json as json_module
     from pathlib import Path
 
-    from agentkv.bench import deploy, plots
-    from agentkv.bench.calibrate import CalibrationError, measure_curve
-    from agentkv.sim.costmodel import PRESETS, PUBLISHED_POINTS, reused_tokens_for
+    from agentkv.bench import plots
+    from agentkv.bench.calibrate import CalibrationError
+    from agentkv.bench.curves import (
+        DEFAULT_PRESETS,
+        ROWS_HEADER,
+        curve_rows,
+        measure_preset,
+        preset_curve,
+    )
+    from agentkv.sim.costmodel import PRESETS
 
     exit_on_sigterm()
-    names = preset or ["qwen3-32b-p5en", "glm-5-fp8-p5en"]
+    names = preset or list(DEFAULT_PRESETS)
     points = [int(x) for x in floats(sizes, "--sizes") or []]
     curves: dict[str, dict[str, Any]] = {}
-    rows = [
-        [
-            "preset",
-            "prompt tokens",
-            "recompute ms (model)",
-            "measured",
-            "reuse ms (model)",
-            "measured",
-        ]
-    ]
+    rows = [ROWS_HEADER]
     for name in names:
         if name not in PRESETS:
             typer.echo(f"agentkv: unknown preset {name!r}", err=True)
             raise typer.Exit(2)
-        cost = PRESETS[name]
         typer.echo(f"agentkv bench curves: {name} …", err=True)
         try:
-            with deploy.local_stack(
-                "local",
-                time_scale=1.0,
-                preset=name,
-                decode_prefix_caching=False,
-                unverified=False,
-            ) as s:
-                # time_scale 0 would be better, but local_stack scales TTLs by it: keep real time
-                # and read the modelled TTFT header (the engines sleep for it).
-                measured = asyncio.run(measure_curve(s.base_url, points, model=s.model))
+            measured = measure_preset(name, points)
         except CalibrationError as exc:
             typer.echo(f"agentkv bench curves: {exc}", err=True)
             raise typer.Exit(1) from exc
-        xs = list(range(512, max(points) + 1, 512))
-        curves[name] = {
-            "model_x": xs,
-            "model_recompute_ms": [cost.ttft_s(n, 0) * 1000 for n in xs],
-            "model_reuse_ms": [cost.ttft_s(n, reused_tokens_for(n)) * 1000 for n in xs],
-            "measured_recompute": [(n, a * 1000) for n, a, _ in measured],
-            "measured_reuse": [(n, b * 1000) for n, _, b in measured],
-            "published_recompute": [
-                (p.prompt_tokens, p.seconds * 1000)
-                for p in PUBLISHED_POINTS
-                if p.preset == name and p.measurement == "ttft_recompute"
-            ],
-            "published_reuse": [
-                (p.prompt_tokens, p.seconds * 1000)
-                for p in PUBLISHED_POINTS
-                if p.preset == name and p.measurement == "ttft_reuse"
-            ],
-        }
-        for n, a, b in measured:
-            rows.append(
-                [
-                    name,
-                    f"{n:,}",
-                    f"{cost.ttft_s(n, 0) * 1000:,.1f}",
-                    f"{a * 1000:,.1f}",
-                    f"{cost.ttft_s(n, reused_tokens_for(n)) * 1000:,.1f}",
-                    f"{b * 1000:,.1f}",
-                ]
-            )
+        curves[name] = preset_curve(name, points, measured)
+        rows += curve_rows(name, measured)
     plots.plot_preset_curves(curves, Path(out))
     if json_out:
         Path(json_out).write_text(json_module.dumps(curves, indent=2) + "\n")

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from agentkv.cli._common import floats, print_rows
+from agentkv.cli._common import BlockSize, floats, print_rows
 
 __all__ = ["calibrate"]
 
@@ -19,7 +19,7 @@ def calibrate(
     ] = "512,1024,2048,4096,8192",
     repeats: Annotated[int, typer.Option(help="Measurements per length (median used).")] = 3,
     decode_tokens: Annotated[int, typer.Option(help="Tokens per decode measurement.")] = 24,
-    block_size: Annotated[int, typer.Option(help="Engines' KV block size.")] = 16,
+    block_size: BlockSize = 16,
     kv_bytes_per_token: Annotated[
         int, typer.Option(help="KV bytes per token (only sizes transfers and the CPU tier).")
     ] = 0,

