@@ -18,14 +18,12 @@ from agentkv.__version__ import __version__
 _installed.warn()  # PyPI's `agentkv` is another project with the same import package
 
 if TYPE_CHECKING:
-    from agentkv._client import (
-        AsyncClient,
+    from agentkv._client import AsyncClient, Client, wrap
+    from agentkv._conversation import (
         AsyncConversation,
         AsyncConversationStream,
-        Client,
         Conversation,
         ConversationStream,
-        wrap,
     )
     from agentkv._exceptions import (
         AgentKVError,
@@ -43,26 +41,28 @@ if TYPE_CHECKING:
         RemoteRenderer,
         Renderer,
     )
+    from agentkv._retry import RetryPolicy
     from agentkv._turn import AgentKVWarning
 
 _WHERE = {
     "AgentKVError": "_exceptions",
     "AgentKVWarning": "_turn",
     "AsyncClient": "_client",
-    "AsyncConversation": "_client",
-    "AsyncConversationStream": "_client",
+    "AsyncConversation": "_conversation",
+    "AsyncConversationStream": "_conversation",
     "AsyncLocalRenderer": "_rendering",
     "AsyncRemoteRenderer": "_rendering",
     "AsyncRenderer": "_rendering",
     "Client": "_client",
-    "Conversation": "_client",
+    "Conversation": "_conversation",
     "ConversationError": "_exceptions",
-    "ConversationStream": "_client",
+    "ConversationStream": "_conversation",
     "Drift": "_receipt",
     "LocalRenderer": "_rendering",
     "RemoteRenderer": "_rendering",
     "RenderError": "_exceptions",
     "Renderer": "_rendering",
+    "RetryPolicy": "_retry",
     "RewriteReport": "_receipt",
     "ServerCapabilityError": "_exceptions",
     "StateError": "_exceptions",
@@ -88,6 +88,7 @@ __all__ = [
     "RemoteRenderer",
     "RenderError",
     "Renderer",
+    "RetryPolicy",
     "RewriteReport",
     "ServerCapabilityError",
     "StateError",

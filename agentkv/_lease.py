@@ -27,9 +27,10 @@ import time
 import weakref
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import httpx
+from typing_extensions import Self
 
 from agentkv.protocol import HEADER_LEASE
 
@@ -298,8 +299,11 @@ def openai_http_settings(client: Any, lease_s: float) -> tuple[str, dict[str, st
     return root_url(client.base_url), headers, timeout
 
 
-class _Driver:
-    """What both drivers share: the core, where to send, and the turn hook."""
+T = TypeVar("T", httpx.BaseTransport, httpx.AsyncBaseTransport)
+
+
+class _Driver(Generic[T]):
+    """What both drivers share: the core, where to send, the turn hook, the answers."""
 
     def __init__(
         self,
@@ -309,6 +313,7 @@ class _Driver:
         headers: Mapping[str, str] | None = None,
         timeout: httpx.Timeout | float | None = 5.0,
         clock: Callable[[], float] = time.monotonic,
+        transport: T | None = None,
     ) -> None:
         self.core = LeaseCore(lease_s)
         self.root = root.rstrip("/")
@@ -316,6 +321,16 @@ class _Driver:
         self.timeout = timeout
         self.clock = clock
         self.closed = False
+        self._transport: T | None = transport
+        self._init_state()
+
+    @classmethod
+    def for_openai(cls, client: Any, lease_s: float) -> Self:
+        root, headers, timeout = openai_http_settings(client, lease_s)
+        return cls(lease_s, root=root, headers=headers, timeout=timeout)
+
+    def _init_state(self) -> None:
+        """The driver's own state (its thread or task)."""
 
     @property
     def stats(self) -> LeaseStats:
@@ -325,37 +340,41 @@ class _Driver:
         """``conversation`` was closed: renew it no more."""
         self.core.forget(conversation)
 
+    def turn(
+        self, conversation: object, conversation_id: str, headers: MutableMapping[str, str]
+    ) -> None:
+        """A turn is being sent: add the lease header, keep the conversation alive."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Stop renewing."""
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        """Stop renewing, from a coroutine."""
+        self.close()
+
     def _track(
         self, conversation: object, conversation_id: str, headers: MutableMapping[str, str]
     ) -> None:
         self.core.add_header(headers)
         self.core.track(conversation, conversation_id, now=self.clock())
 
+    def _http_options(self) -> dict[str, Any]:
+        return {"headers": self.headers, "timeout": self.timeout, "transport": self._transport}
 
-class LeaseRenewer(_Driver):
+    def _answered(self, request: RenewalRequest, response: httpx.Response) -> None:
+        self.core.answered(request, response.status_code, _json(response))
+
+
+class LeaseRenewer(_Driver[httpx.BaseTransport]):
     """Renews a :class:`~agentkv.Client`'s leases from a daemon thread (started on the first
     turn); ``close()`` stops it at once, whatever the interval."""
 
-    def __init__(
-        self,
-        lease_s: float,
-        *,
-        root: str,
-        headers: Mapping[str, str] | None = None,
-        timeout: httpx.Timeout | float | None = 5.0,
-        clock: Callable[[], float] = time.monotonic,
-        transport: httpx.BaseTransport | None = None,
-    ) -> None:
-        super().__init__(lease_s, root=root, headers=headers, timeout=timeout, clock=clock)
-        self._transport = transport
+    def _init_state(self) -> None:
         self._stop = threading.Event()
         self._start_lock = threading.Lock()
         self._thread: threading.Thread | None = None
-
-    @classmethod
-    def for_openai(cls, client: Any, lease_s: float) -> LeaseRenewer:
-        root, headers, timeout = openai_http_settings(client, lease_s)
-        return cls(lease_s, root=root, headers=headers, timeout=timeout)
 
     def turn(
         self, conversation: object, conversation_id: str, headers: MutableMapping[str, str]
@@ -383,11 +402,7 @@ class LeaseRenewer(_Driver):
             thread.join(timeout_s)
 
     def _run(self) -> None:
-        with httpx.Client(
-            headers=self.headers,
-            timeout=self.timeout,
-            transport=self._transport,
-        ) as http:
+        with httpx.Client(**self._http_options()) as http:
             while not self._stop.is_set():
                 wait = self.core.wait_s(self.clock())
                 if wait is None or self._stop.wait(wait):
@@ -402,32 +417,16 @@ class LeaseRenewer(_Driver):
         except Exception as exc:  # a renewal never raises into user code
             self.core.failed(request, exc)
             return
-        self.core.answered(request, response.status_code, _json(response))
+        self._answered(request, response)
 
 
-class AsyncLeaseRenewer(_Driver):
+class AsyncLeaseRenewer(_Driver[httpx.AsyncBaseTransport]):
     """Renews an :class:`~agentkv.AsyncClient`'s leases from an asyncio task, started on the
     first turn inside a running loop (again on a new loop) and cancelled by ``aclose()``."""
 
-    def __init__(
-        self,
-        lease_s: float,
-        *,
-        root: str,
-        headers: Mapping[str, str] | None = None,
-        timeout: httpx.Timeout | float | None = 5.0,
-        clock: Callable[[], float] = time.monotonic,
-        transport: httpx.AsyncBaseTransport | None = None,
-    ) -> None:
-        super().__init__(lease_s, root=root, headers=headers, timeout=timeout, clock=clock)
-        self._transport = transport
+    def _init_state(self) -> None:
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-
-    @classmethod
-    def for_openai(cls, client: Any, lease_s: float) -> AsyncLeaseRenewer:
-        root, headers, timeout = openai_http_settings(client, lease_s)
-        return cls(lease_s, root=root, headers=headers, timeout=timeout)
 
     def turn(
         self, conversation: object, conversation_id: str, headers: MutableMapping[str, str]
@@ -463,11 +462,7 @@ class AsyncLeaseRenewer(_Driver):
                 loop.call_soon_threadsafe(task.cancel)
 
     async def _run(self) -> None:
-        async with httpx.AsyncClient(
-            headers=self.headers,
-            timeout=self.timeout,
-            transport=self._transport,
-        ) as http:
+        async with httpx.AsyncClient(**self._http_options()) as http:
             while not self.closed:
                 wait = self.core.wait_s(self.clock())
                 if wait is None:
@@ -483,4 +478,4 @@ class AsyncLeaseRenewer(_Driver):
         except Exception as exc:  # a renewal never raises into user code
             self.core.failed(request, exc)
             return
-        self.core.answered(request, response.status_code, _json(response))
+        self._answered(request, response)

@@ -1,53 +1,37 @@
-"""How new messages become token ids in exact mode.
+"""Renderers: how a conversation's new messages become token ids in exact mode.
 
-The conversation never re-renders what it already sent: the next prompt is the previous
-prompt + the generated ids + the tokens of the *new* messages. Those tokens are what the chat
-template renders after the end of an assistant turn, up to and including the next generation
-prompt. They are found with small probe conversations, so any template works. A probe's
-assistant message carries a *marker*: the word :data:`SENTINEL`, whose last tokens are taken
-from the probe rendered with ``continue_final_message``. What the template renders after the
-marker is, in order:
+The probe algorithm itself is sans-IO (:mod:`agentkv._probe`); a renderer answers its requests:
 
-* the rest of the assistant message the model generated itself: the end of its last tool call
-  when the new messages are tool results (the marker then sits in that call's arguments, so
-  templates that render only the calls of a tool-call message work too; a template that does
-  not render the arguments gets the marker in the content instead);
-* the template's end of an assistant turn (``close``: ``<|im_end|>\n``, ``<|eot_id|>``, ...),
-  found from ``[user, assistant SENTINEL]`` rendered as a finished history;
-* the new messages and the generation prompt.
-
-The ids to append are the last two, minus the part of ``close`` the model emitted itself (its
-stop token, or the whole end-of-turn when its output ends with it). A model stopped by
-``max_tokens`` or by a stop string emitted none of it, so all of it is appended. Where no token
-boundary separates the model's part from the template's (a vocabulary in which the template's
-tags are plain text, so ``</tool_call><|im_end|>`` tokenizes across the seam), the split is
-made in the decoded text and the new part is tokenized on its own, as it will be appended.
-
-The marker is searched for rather than a common prefix taken, because many templates render
-earlier turns differently once a new message follows (reasoning pruning, look-ahead, blocks
-that move to the last user message). A template that renders a tool result with the name of the
-function called (gpt-oss) needs the real names: they come from the tool message's ``name`` or
-from the job's ``previous`` assistant message when it carries one; without them such a template
-is a :class:`~agentkv.RenderError` rather than a prompt that names the wrong tool.
-
-The probes are rendered by the server's ``/tokenize`` (:class:`RemoteRenderer`, exactly what
-the server would render) or in-process with a Hugging Face tokenizer and chat template
-(:class:`LocalRenderer`, extra ``vllm-agentkv[tokenizers]``). The algorithm itself is sans-IO
-(:func:`render_plan`, a generator of tokenize calls) so both drive it, sync or async.
+* :class:`RemoteRenderer` / :class:`AsyncRemoteRenderer`: the server's ``/tokenize`` and
+  ``/detokenize`` (exactly what the server would render). Made by a client, it sends them
+  through that client's ``openai`` client: the same base URL, API key, headers, timeout and
+  HTTP connections. Made with a server root, it uses its own (or the given) ``httpx`` client.
+* :class:`LocalRenderer` / :class:`AsyncLocalRenderer`: in-process, a Hugging Face tokenizer
+  and chat template (extra ``vllm-agentkv[tokenizers]``).
 """
 
 from __future__ import annotations
 
-import json
 import os
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import httpx
+import openai
 
-from agentkv._conversation import RenderJob
 from agentkv._exceptions import RenderError, ServerCapabilityError
+from agentkv._ledger import RenderJob
+from agentkv._probe import (
+    SENTINEL,
+    ChatCall,
+    Request,
+    TextCall,
+    render_ids,
+    render_plan,
+    run_plan,
+    run_plan_async,
+)
 
 if TYPE_CHECKING:
     from agentkv.chat import ChatTemplate, ChatTokenizer
@@ -60,75 +44,13 @@ __all__ = [
     "LocalRenderer",
     "RemoteRenderer",
     "Renderer",
-    "append_ids",
-    "render_ids",
-    "render_ids_async",
-    "render_plan",
     "root_url",
 ]
-
-SENTINEL = "AGENTKVSENTINEL"
-"""The probe's marker word (plain capitals: a stable token boundary after it in byte-level
-BPE vocabularies, whatever punctuation a template puts around it)."""
-_MARKER_TOKENS = 3
-_ARGUMENT = "agentkv_probe"
-_PLACEHOLDER_NAMES = ("f", "g")
-
-Tokenize = Callable[[list[dict[str, Any]], bool, bool], list[int]]
-"""``(messages, add_generation_prompt, continue_final_message) -> ids``."""
-
-
-@dataclass(frozen=True)
-class ChatCall:
-    """Render ``messages`` with the chat template and tokenize the text (→ ids)."""
-
-    messages: list[dict[str, Any]]
-    add_generation_prompt: bool
-    continue_final_message: bool = False
-
-
-@dataclass(frozen=True)
-class TextCall:
-    """Tokenize plain ``text`` on its own, no special tokens added (→ ids)."""
-
-    text: str
-
-
-@dataclass(frozen=True)
-class DecodeCall:
-    """Decode ``ids`` to text, special tokens included (→ str)."""
-
-    ids: list[int]
-
-
-Request = ChatCall | TextCall | DecodeCall
-Plan = Generator[Request, Any, list[int]]
-"""A sans-IO rendering: yields requests, is sent their answers, returns the ids to use."""
-
-
-class Backend(Protocol):
-    """What :func:`render_ids` needs to answer a :data:`Plan`'s requests (sync)."""
-
-    def chat(self, call: ChatCall) -> list[int]: ...
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: list[int]) -> str: ...
-
-
-class AsyncBackend(Protocol):
-    """The async twin of :class:`Backend`."""
-
-    async def chat(self, call: ChatCall) -> list[int]: ...
-
-    async def encode(self, text: str) -> list[int]: ...
-
-    async def decode(self, ids: list[int]) -> str: ...
 
 
 @runtime_checkable
 class Renderer(Protocol):
-    """Turns a :class:`~agentkv._conversation.RenderJob` into token ids (sync)."""
+    """Turns a :class:`~agentkv._ledger.RenderJob` into token ids (sync)."""
 
     def render(self, job: RenderJob) -> list[int]: ...
 
@@ -150,244 +72,6 @@ def root_url(base_url: Any) -> str:
     return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
-# -- the probe algorithm (sans-IO) ---------------------------------------------------------------
-class _NoMarker(RenderError):
-    """The probe's marker is not in a rendering (internal: some probes have a fallback)."""
-
-
-def _after(seq: Sequence[int], marker: Sequence[int]) -> list[int]:
-    """``seq`` after the first occurrence of ``marker`` (the probe's assistant message comes
-    before anything a new message could render)."""
-    m = len(marker)
-    want = list(marker)
-    for i in range(len(seq) - m + 1):
-        if list(seq[i : i + m]) == want:
-            return list(seq[i + m :])
-    raise _NoMarker(
-        "The chat template did not render the probe assistant message verbatim; exact mode "
-        "cannot find where new messages start. Use mode='messages' for this template."
-    )
-
-
-def _answered(job: RenderJob) -> list[tuple[str, str | None]]:
-    """``(tool_call_id, function name or None)`` of the calls the new messages answer, in the
-    order the assistant made them when the job knows that message."""
-    previous = getattr(job, "previous", None)  # the assistant message, when the job has it
-    made: list[tuple[str, str | None]] = []
-    if isinstance(previous, Mapping):
-        for call in previous.get("tool_calls") or []:
-            if not isinstance(call, Mapping):
-                continue
-            fn = call.get("function")
-            name = fn.get("name") if isinstance(fn, Mapping) else None
-            made.append((str(call.get("id")), name if isinstance(name, str) else None))
-    results = [m for m in job.messages if m.get("role") == "tool"]
-    if not results:
-        return []
-    named = {
-        str(m.get("tool_call_id")): m["name"] for m in results if isinstance(m.get("name"), str)
-    }
-    ids = [str(m.get("tool_call_id")) for m in results]
-    if made and set(ids) <= {tid for tid, _ in made}:
-        return [(tid, named.get(tid, name)) for tid, name in made]
-    known = dict(made)
-    return [(tid, named.get(tid, known.get(tid))) for tid in ids]
-
-
-def _plain() -> list[dict[str, Any]]:
-    return [{"role": "user", "content": "x"}, {"role": "assistant", "content": SENTINEL}]
-
-
-def _with_calls(
-    calls: Sequence[tuple[str, str | None]], placeholder: str, in_arguments: bool
-) -> list[dict[str, Any]]:
-    """The probe for tool results: the marker in the last call's arguments, or (for templates
-    that do not render arguments) in the content."""
-    tool_calls = []
-    for i, (tid, name) in enumerate(calls):
-        marked = in_arguments and i == len(calls) - 1
-        arguments = json.dumps({_ARGUMENT: SENTINEL} if marked else {})
-        tool_calls.append(
-            {
-                "id": tid,
-                "type": "function",
-                "function": {"name": name or placeholder, "arguments": arguments},
-            }
-        )
-    content = "" if in_arguments else SENTINEL
-    return [
-        {"role": "user", "content": "x"},
-        {"role": "assistant", "content": content, "tool_calls": tool_calls},
-    ]
-
-
-def _without_emitted(
-    rest: list[int], close: list[int], output: Sequence[int]
-) -> Generator[Request, Any, list[int]]:
-    """``rest`` without the part of the end of turn ``close`` that the model's ``output``
-    already ends with: its stop token (the usual case: a token-level overlap), or the whole
-    end of turn written as text whose tokens merged with the answer's last characters (a
-    vocabulary in which the template's tags are plain text). A model stopped by
-    ``max_tokens`` or a stop string emitted none of it."""
-    # A template with no end-of-turn text (GLM) has the model stop on the next role's tag.
-    for j in range(min(max(len(close), 1), len(output), len(rest)), 0, -1):
-        if list(output[-j:]) == rest[:j]:
-            return rest[j:]
-    if not close or not output:
-        return rest
-    close_text = yield from _decode(close)
-    output_text = yield from _decode(list(output[-(len(close) + 2) :]))
-    if not close_text.strip() or not output_text.endswith(close_text):
-        return rest
-    if rest[: len(close)] == close:
-        return rest[len(close) :]
-    rest_text = yield from _decode(rest)
-    if not rest_text.startswith(close_text):
-        return rest  # the turn ends differently once more follows (gpt-oss <|return|>)
-    return (yield from _encode(rest_text[len(close_text) :]))
-
-
-def _chat(
-    messages: list[dict[str, Any]], gen: bool, cont: bool = False
-) -> Generator[Request, Any, list[int]]:
-    ids = yield ChatCall(messages, gen, cont)
-    return list(ids)
-
-
-def _encode(text: str) -> Generator[Request, Any, list[int]]:
-    ids = yield TextCall(text)
-    return list(ids)
-
-
-def _decode(ids: list[int]) -> Generator[Request, Any, str]:
-    text = yield DecodeCall(ids)
-    return str(text)
-
-
-def _look_ahead() -> RenderError:
-    return RenderError(
-        "The chat template renders the assistant's tool calls differently once their results "
-        "follow, so exact mode cannot tell where the results start. Use mode='messages' for "
-        "this template."
-    )
-
-
-def render_plan(job: RenderJob) -> Plan:
-    """The ids for ``job`` (sans-IO): all of them for a ``full`` job, the ones to append after
-    the previous answer for an ``append`` job. Drive it with :func:`render_ids`."""
-    if job.kind == "full":
-        return (yield from _chat(list(job.messages), True))
-    plain = _plain()
-    marker = (yield from _chat(plain, False, True))[-_MARKER_TOKENS:]
-    close = _after((yield from _chat(plain, False)), marker)
-    new = list(job.messages)
-    calls = _answered(job)
-    if not calls:
-        rest = _after((yield from _chat([*plain, *new], True)), marker)
-        return (yield from _without_emitted(rest, close, job.last_output_ids))
-    named = all(name for _, name in calls)
-    for in_arguments in (True, False):
-        base = _with_calls(calls, _PLACEHOLDER_NAMES[0], in_arguments)
-        try:
-            ended = _after((yield from _chat(base, False)), marker)
-            rest = _after((yield from _chat([*base, *new], True)), marker)
-        except _NoMarker:
-            if in_arguments:
-                continue
-            raise
-        if not named:
-            other = _with_calls(calls, _PLACEHOLDER_NAMES[1], in_arguments)
-            if _after((yield from _chat([*other, *new], True)), marker) != rest:
-                raise RenderError(
-                    "This chat template renders a tool result with the name of the function "
-                    "called, and the new tool messages do not say it: add them with their "
-                    "'name' (conversation.add({'role': 'tool', 'tool_call_id': ..., "
-                    "'name': ..., 'content': ...}))."
-                )
-        # ``ended`` = the rest of the last call (the model generated it) + the end of turn.
-        if not close or ended[-len(close) :] == close:
-            tail = ended[: len(ended) - len(close)]
-            if rest[: len(tail)] == tail:
-                return (yield from _without_emitted(rest[len(tail) :], close, job.last_output_ids))
-        # No token boundary where the call ends: the call ends the turn by itself (gpt-oss's
-        # ``<|call|>``), or its last tokens merged with what follows (a vocabulary in which
-        # the template's tags are plain text). Split the text there instead, and tokenize the
-        # new part on its own, as it will be appended.
-        ended_text = yield from _decode(ended)
-        close_text = yield from _decode(close)
-        rest_text = yield from _decode(rest)
-        end_text = close_text if close_text and ended_text.endswith(close_text) else ""
-        tail_text = ended_text[: len(ended_text) - len(end_text)]
-        if not rest_text.startswith(tail_text):
-            raise _look_ahead()
-        appended = yield from _encode(rest_text[len(tail_text) :])
-        end_ids = (yield from _encode(end_text)) if end_text else []
-        return (yield from _without_emitted(appended, end_ids, job.last_output_ids))
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-def render_ids(backend: Backend, job: RenderJob) -> list[int]:
-    """Run :func:`render_plan` against a sync ``backend``."""
-    plan = render_plan(job)
-    answer: Any = None
-    try:
-        while True:
-            request = plan.send(answer)
-            if isinstance(request, ChatCall):
-                answer = backend.chat(request)
-            elif isinstance(request, TextCall):
-                answer = backend.encode(request.text)
-            else:
-                answer = backend.decode(request.ids)
-    except StopIteration as done:
-        result: list[int] = done.value
-        return result
-
-
-async def render_ids_async(backend: AsyncBackend, job: RenderJob) -> list[int]:
-    """Run :func:`render_plan` against an async ``backend``."""
-    plan = render_plan(job)
-    answer: Any = None
-    try:
-        while True:
-            request = plan.send(answer)
-            if isinstance(request, ChatCall):
-                answer = await backend.chat(request)
-            elif isinstance(request, TextCall):
-                answer = await backend.encode(request.text)
-            else:
-                answer = await backend.decode(request.ids)
-    except StopIteration as done:
-        result: list[int] = done.value
-        return result
-
-
-class _Tokenizing:
-    """A :class:`Backend` from a bare chat ``tokenize`` function (no text requests)."""
-
-    def __init__(self, tokenize: Tokenize) -> None:
-        self._tokenize = tokenize
-
-    def chat(self, call: ChatCall) -> list[int]:
-        return self._tokenize(
-            call.messages, call.add_generation_prompt, call.continue_final_message
-        )
-
-    def encode(self, text: str) -> list[int]:
-        raise RenderError("This renderer cannot tokenize plain text.")
-
-    def decode(self, ids: list[int]) -> str:
-        raise RenderError("This renderer cannot decode ids.")
-
-
-def append_ids(tokenize: Tokenize, job: RenderJob) -> list[int]:
-    """The ids to append after the previous answer for an ``append`` job, from a bare chat
-    ``tokenize(messages, add_generation_prompt, continue_final_message)``."""
-    if job.kind != "append":
-        raise ValueError("append_ids() takes an 'append' job")
-    return render_ids(_Tokenizing(tokenize), job)
-
-
 # -- remote: the server's /tokenize ----------------------------------------------------------------
 def _tokenize_body(job: RenderJob, model: str | None, call: ChatCall) -> dict[str, Any]:
     body: dict[str, Any] = {
@@ -395,13 +79,12 @@ def _tokenize_body(job: RenderJob, model: str | None, call: ChatCall) -> dict[st
         "add_generation_prompt": call.add_generation_prompt,
         "continue_final_message": call.continue_final_message,
     }
-    if model:
-        body["model"] = model
-    if job.tools:
-        body["tools"] = job.tools
-    if job.chat_template_kwargs:
-        body["chat_template_kwargs"] = job.chat_template_kwargs
-    return body
+    optional = {
+        "model": model,
+        "tools": job.tools,
+        "chat_template_kwargs": job.chat_template_kwargs,
+    }
+    return body | {name: value for name, value in optional.items() if value}
 
 
 def _text_body(model: str | None, text: str) -> dict[str, Any]:
@@ -411,135 +94,200 @@ def _text_body(model: str | None, text: str) -> dict[str, Any]:
     return body
 
 
-def _tokens(response: httpx.Response, url: str) -> list[int]:
-    if response.status_code in (404, 405):
+@dataclass(frozen=True)
+class _Reply:
+    """A ``/tokenize`` or ``/detokenize`` answer, whichever HTTP client carried it."""
+
+    status: int
+    body: Any
+    text: str
+    retry: BaseException | None = None
+    """429 / 503: the error to raise (the conversation retries it)."""
+
+
+def _httpx_reply(response: httpx.Response) -> _Reply:
+    retry = None
+    if response.status_code in (429, 503):
+        retry = httpx.HTTPStatusError(
+            f"{response.status_code}", request=response.request, response=response
+        )
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    return _Reply(response.status_code, body, response.text, retry)
+
+
+def _openai_error_reply(exc: openai.APIStatusError) -> _Reply:
+    retry = exc if exc.status_code in (429, 503) else None
+    return _Reply(exc.status_code, exc.body, exc.response.text, retry)
+
+
+def _check(reply: _Reply, url: str) -> dict[str, Any]:
+    if reply.retry is not None:
+        raise reply.retry  # retried by the conversation
+    if reply.status >= 400:
+        raise RenderError(f"{url} answered {reply.status}: {reply.text[:500]}")
+    return reply.body if isinstance(reply.body, dict) else {}
+
+
+def _tokens(reply: _Reply, url: str) -> list[int]:
+    if reply.status in (404, 405):
         raise ServerCapabilityError(
-            f"{url} answered {response.status_code}: exact mode needs the server's /tokenize "
+            f"{url} answered {reply.status}: exact mode needs the server's /tokenize "
             "(vLLM serves it). Use mode='messages', or renderer=agentkv.LocalRenderer(...)."
         )
-    if response.status_code in (429, 503):
-        response.raise_for_status()  # retried by the conversation
-    if response.status_code >= 400:
-        raise RenderError(f"{url} answered {response.status_code}: {response.text[:500]}")
-    tokens = response.json().get("tokens")
+    tokens = _check(reply, url).get("tokens")
     if not isinstance(tokens, list):
         raise RenderError(f"{url} returned no 'tokens'.")
     return [int(t) for t in tokens]
 
 
-def _text(response: httpx.Response, url: str) -> str:
-    if response.status_code in (429, 503):
-        response.raise_for_status()
-    if response.status_code >= 400:
-        raise RenderError(f"{url} answered {response.status_code}: {response.text[:500]}")
-    text = response.json().get("prompt")
+def _text(reply: _Reply, url: str) -> str:
+    text = _check(reply, url).get("prompt")
     if not isinstance(text, str):
         raise RenderError(f"{url} returned no 'prompt'.")
     return text
 
 
-def _auth_headers(client: Any) -> dict[str, str]:
-    key = getattr(client, "api_key", None)
-    return {"Authorization": f"Bearer {key}"} if isinstance(key, str) and key else {}
+def _detokenized(reply: _Reply) -> str:
+    """``detokenize()`` (drift diagnosis only): the text, or "" when the server cannot."""
+    ok = reply.status == 200 and isinstance(reply.body, dict)
+    return str(reply.body.get("prompt", "")) if ok else ""
 
 
-class _RemoteBackend:
-    def __init__(self, renderer: RemoteRenderer, job: RenderJob) -> None:
-        self.r, self.job = renderer, job
-
-    def chat(self, call: ChatCall) -> list[int]:
-        url = f"{self.r.root}/tokenize"
-        return _tokens(
-            self.r._http.post(url, json=_tokenize_body(self.job, self.r.model, call)), url
-        )
-
-    def encode(self, text: str) -> list[int]:
-        url = f"{self.r.root}/tokenize"
-        return _tokens(self.r._http.post(url, json=_text_body(self.r.model, text)), url)
-
-    def decode(self, ids: list[int]) -> str:
-        url = f"{self.r.root}/detokenize"
-        return _text(self.r._http.post(url, json={"tokens": ids}), url)
+Parse = Callable[[_Reply, str], Any]
 
 
-class RemoteRenderer:
-    """Renders with the server's ``/tokenize`` (what the server itself would render)."""
+class _Remote:
+    """What both remote renderers share: where a probe request goes and how its answer reads
+    (no I/O)."""
+
+    def __init__(self, root: str, model: str | None) -> None:
+        self.root = root.rstrip("/")
+        self.model = model
+
+    def _call(self, job: RenderJob, request: Request) -> tuple[str, dict[str, Any], Parse]:
+        if isinstance(request, ChatCall):
+            return f"{self.root}/tokenize", _tokenize_body(job, self.model, request), _tokens
+        if isinstance(request, TextCall):
+            return f"{self.root}/tokenize", _text_body(self.model, request.text), _tokens
+        return f"{self.root}/detokenize", {"tokens": request.ids}, _text
+
+
+def _root_of(root: str | None, openai_client: Any) -> str:
+    if root is None and openai_client is None:
+        raise ValueError("a remote renderer needs the server root or an openai client")
+    return root if root is not None else root_url(openai_client.base_url)
+
+
+class RemoteRenderer(_Remote):
+    """Renders with the server's ``/tokenize`` (what the server itself would render).
+
+    Args:
+        root: the server root (``http://host:port``); None with ``openai_client``: its base URL
+            without ``/v1``.
+        model: sent with every tokenize request.
+        headers, http_client, timeout_s: the ``httpx`` client to use without ``openai_client``.
+        openai_client: send the requests through this ``openai.OpenAI`` (its base URL, API
+            key, headers, timeout and connections; :meth:`for_client` does this).
+    """
 
     def __init__(
         self,
-        root: str,
+        root: str | None = None,
         *,
         model: str | None = None,
         headers: dict[str, str] | None = None,
         http_client: httpx.Client | None = None,
         timeout_s: float = 60.0,
+        openai_client: openai.OpenAI | None = None,
     ) -> None:
-        self.root = root.rstrip("/")
-        self.model = model
-        self._http = http_client or httpx.Client(timeout=timeout_s, headers=headers or {})
+        super().__init__(_root_of(root, openai_client), model)
+        self._via: openai.OpenAI | httpx.Client = (
+            openai_client.with_options(max_retries=0)
+            if openai_client is not None
+            else http_client or httpx.Client(timeout=timeout_s, headers=headers or {})
+        )
 
     @classmethod
-    def for_client(cls, client: Any) -> RemoteRenderer:
-        return cls(root_url(client.base_url), headers=_auth_headers(client))
+    def for_client(cls, client: openai.OpenAI) -> RemoteRenderer:
+        """A renderer that uses ``client``'s HTTP settings and connections."""
+        return cls(openai_client=client)
+
+    def _post(self, url: str, body: dict[str, Any]) -> _Reply:
+        if isinstance(self._via, httpx.Client):
+            return _httpx_reply(self._via.post(url, json=body))
+        try:
+            answer = self._via.post(url, cast_to=object, body=body)
+        except openai.APIStatusError as exc:
+            return _openai_error_reply(exc)
+        return _Reply(200, answer, "")
+
+    def _answer(self, job: RenderJob, request: Request) -> Any:
+        url, body, parse = self._call(job, request)
+        return parse(self._post(url, body), url)
 
     def render(self, job: RenderJob) -> list[int]:
-        return render_ids(_RemoteBackend(self, job), job)
+        return run_plan(render_plan(job), lambda request: self._answer(job, request))
 
     def detokenize(self, ids: Sequence[int]) -> str:
-        r = self._http.post(f"{self.root}/detokenize", json={"tokens": list(ids)})
-        return str(r.json().get("prompt", "")) if r.status_code == 200 else ""
+        return _detokenized(self._post(f"{self.root}/detokenize", {"tokens": list(ids)}))
 
     def close(self) -> None:
-        self._http.close()
+        """Close its own ``httpx`` client (an ``openai`` client is closed by its owner)."""
+        if isinstance(self._via, httpx.Client):
+            self._via.close()
 
 
-class _AsyncRemoteBackend:
-    def __init__(self, renderer: AsyncRemoteRenderer, job: RenderJob) -> None:
-        self.r, self.job = renderer, job
-
-    async def chat(self, call: ChatCall) -> list[int]:
-        url = f"{self.r.root}/tokenize"
-        body = _tokenize_body(self.job, self.r.model, call)
-        return _tokens(await self.r._http.post(url, json=body), url)
-
-    async def encode(self, text: str) -> list[int]:
-        url = f"{self.r.root}/tokenize"
-        return _tokens(await self.r._http.post(url, json=_text_body(self.r.model, text)), url)
-
-    async def decode(self, ids: list[int]) -> str:
-        url = f"{self.r.root}/detokenize"
-        return _text(await self.r._http.post(url, json={"tokens": ids}), url)
-
-
-class AsyncRemoteRenderer:
-    """The async twin of :class:`RemoteRenderer`."""
+class AsyncRemoteRenderer(_Remote):
+    """The async twin of :class:`RemoteRenderer` (``openai_client``: an ``AsyncOpenAI``)."""
 
     def __init__(
         self,
-        root: str,
+        root: str | None = None,
         *,
         model: str | None = None,
         headers: dict[str, str] | None = None,
         http_client: httpx.AsyncClient | None = None,
         timeout_s: float = 60.0,
+        openai_client: openai.AsyncOpenAI | None = None,
     ) -> None:
-        self.root = root.rstrip("/")
-        self.model = model
-        self._http = http_client or httpx.AsyncClient(timeout=timeout_s, headers=headers or {})
+        super().__init__(_root_of(root, openai_client), model)
+        self._via: openai.AsyncOpenAI | httpx.AsyncClient = (
+            openai_client.with_options(max_retries=0)
+            if openai_client is not None
+            else http_client or httpx.AsyncClient(timeout=timeout_s, headers=headers or {})
+        )
 
     @classmethod
-    def for_client(cls, client: Any) -> AsyncRemoteRenderer:
-        return cls(root_url(client.base_url), headers=_auth_headers(client))
+    def for_client(cls, client: openai.AsyncOpenAI) -> AsyncRemoteRenderer:
+        """A renderer that uses ``client``'s HTTP settings and connections."""
+        return cls(openai_client=client)
+
+    async def _post(self, url: str, body: dict[str, Any]) -> _Reply:
+        if isinstance(self._via, httpx.AsyncClient):
+            return _httpx_reply(await self._via.post(url, json=body))
+        try:
+            answer = await self._via.post(url, cast_to=object, body=body)
+        except openai.APIStatusError as exc:
+            return _openai_error_reply(exc)
+        return _Reply(200, answer, "")
+
+    async def _answer(self, job: RenderJob, request: Request) -> Any:
+        url, body, parse = self._call(job, request)
+        return parse(await self._post(url, body), url)
 
     async def render(self, job: RenderJob) -> list[int]:
-        return await render_ids_async(_AsyncRemoteBackend(self, job), job)
+        return await run_plan_async(render_plan(job), lambda request: self._answer(job, request))
 
     async def detokenize(self, ids: Sequence[int]) -> str:
-        r = await self._http.post(f"{self.root}/detokenize", json={"tokens": list(ids)})
-        return str(r.json().get("prompt", "")) if r.status_code == 200 else ""
+        return _detokenized(await self._post(f"{self.root}/detokenize", {"tokens": list(ids)}))
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        """Close its own ``httpx`` client (an ``openai`` client is closed by its owner)."""
+        if isinstance(self._via, httpx.AsyncClient):
+            await self._via.aclose()
 
 
 # -- local: a Hugging Face tokenizer and chat template ---------------------------------------------

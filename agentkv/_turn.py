@@ -1,4 +1,4 @@
-"""How a response (or a stream of chunks) becomes a turn, retries, and drift diagnosis.
+"""How a response (or a stream of chunks) becomes a turn, and drift diagnosis.
 
 Sans-IO helpers shared by the sync and async conversations.
 """
@@ -10,64 +10,22 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import httpx
-import openai
-from tenacity import (
-    AsyncRetrying,
-    Retrying,
-    retry_if_exception,
-    stop_after_attempt,
-    wait_exponential_jitter,
-)
-
-from agentkv._conversation import Ledger, TurnResult
 from agentkv._drift import classify_drift
+from agentkv._ledger import Ledger, TurnResult
 from agentkv._receipt import Drift
 
 __all__ = [
     "AgentKVWarning",
     "StreamAccumulator",
-    "async_retrying",
     "check_exact",
     "diagnose",
     "drift_windows",
     "result_from_completion",
-    "retrying",
 ]
-
-_RETRY_STATUS = {429, 503}
 
 
 class AgentKVWarning(UserWarning):
     """Something reduced reuse or exactness without failing the turn."""
-
-
-def _retryable(exc: BaseException) -> bool:
-    if isinstance(exc, openai.APIStatusError):
-        return exc.status_code in _RETRY_STATUS
-    if isinstance(exc, openai.APIConnectionError | httpx.TransportError):
-        return True
-    return isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code in _RETRY_STATUS
-
-
-def retrying(retries: int) -> Retrying:
-    """Retry connection errors, 429 and 503 ``retries`` times (nothing is recorded before a
-    response arrives, so a retry never appends twice)."""
-    return Retrying(
-        stop=stop_after_attempt(retries + 1),
-        wait=wait_exponential_jitter(multiplier=0.1, max=4.0),
-        retry=retry_if_exception(_retryable),
-        reraise=True,
-    )
-
-
-def async_retrying(retries: int) -> AsyncRetrying:
-    return AsyncRetrying(
-        stop=stop_after_attempt(retries + 1),
-        wait=wait_exponential_jitter(multiplier=0.1, max=4.0),
-        retry=retry_if_exception(_retryable),
-        reraise=True,
-    )
 
 
 def _dump(obj: Any) -> dict[str, Any]:
@@ -225,7 +183,7 @@ def check_exact(ledger: Ledger, prompt_ids: list[int], result: TurnResult) -> li
     warnings.warn(
         f"agentkv: conversation {ledger.id} falls back to messages mode: {problem}.",
         AgentKVWarning,
-        stacklevel=4,
+        stacklevel=5,
     )
     return None
 
@@ -285,6 +243,6 @@ def diagnose(ledger: Ledger, result: TurnResult, texts: Sequence[str]) -> Drift 
             f"{len(expected)} tokens of the last turn ({hazard}: {detail}). Use mode='exact' "
             "to keep every token.",
             AgentKVWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
     return drift

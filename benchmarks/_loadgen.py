@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from agentkv.procs import Process, start_on_free_port
-from agentkv.promtext import parse_metrics
+from agentkv.protocol.promtext import parse_metrics
 from agentkv.serve.supervisor import start_router as serve_router
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from agentkv._check_template import check_template
+from agentkv.bench.template_check import check_template
 from agentkv.chat import deepseek_tokenizer_path
 from agentkv.cli import app
 

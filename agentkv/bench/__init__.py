@@ -7,7 +7,8 @@ calibrate the simulator's cost model against a live deployment.
 * :mod:`agentkv.bench.replay` and :mod:`agentkv.bench.runner`: ``agentkv bench replay``;
 * :mod:`agentkv.bench.report` and :mod:`agentkv.bench.plots`: summaries, files, figures;
 * :mod:`agentkv.bench.plan`: ``agentkv plan``;
-* :mod:`agentkv.bench.calibrate`: ``agentkv calibrate`` (and ``agentkv bench curves``);
+* :mod:`agentkv.bench.calibrate`: ``agentkv calibrate``; :mod:`agentkv.bench.curves`:
+  ``agentkv bench curves``;
 * :mod:`agentkv.bench.deploy`: a profile started for a benchmark, on a compressed clock.
 
 Everything here uses agentkv's public surfaces: the SDK, HTTP, the cost model and ``serve``.

@@ -48,10 +48,13 @@ from agentkv.sim.costmodel import CostModel
 __all__ = [
     "CalibrationError",
     "Measurement",
+    "describe",
     "fit_cost_model",
+    "fit_rows",
     "measure",
     "measure_curve",
     "nnls",
+    "predicted_s",
     "write_cost_file",
 ]
 
@@ -352,3 +355,49 @@ def write_cost_file(
         "measurements": [asdict(m) for m in measurements],
     }
     path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def predicted_s(fitted: CostModel, m: Measurement, block_size: int) -> float:
+    """What the fitted cost model says measurement ``m`` should have taken."""
+    if m.kind == "recompute":
+        return fitted.ttft_s(m.prompt_tokens, 0)
+    if m.kind == "pull":
+        local = m.reused_tokens // block_size * block_size
+        return (
+            fitted.overhead_s
+            + fitted.prefill_s(m.prompt_tokens - m.reused_tokens, m.reused_tokens)
+            + fitted.transfer_s(m.reused_tokens)
+            + fitted.transfer_s(m.prompt_tokens - local)
+            + fitted.decode_s(1, m.prompt_tokens)
+        )
+    return fitted.decode_s(1, m.prompt_tokens)
+
+
+def fit_rows(
+    fitted: CostModel, measurements: Sequence[Measurement], block_size: int
+) -> list[list[str]]:
+    """Each measurement against the fit, as a table (the first row: the header)."""
+    rows = [["measurement", "prompt tokens", "reused", "seconds", "model"]]
+    for m in measurements:
+        rows.append(
+            [
+                m.kind,
+                f"{m.prompt_tokens:,}",
+                f"{m.reused_tokens:,}",
+                f"{m.seconds:.4f}",
+                f"{predicted_s(fitted, m, block_size):.4f}",
+            ]
+        )
+    return rows
+
+
+def describe(f: CostModel, block_size: int) -> str:
+    """The fitted costs in one line, in the units they are measured in."""
+    return (
+        f"prefill {f.prefill_s_per_token * 1e6:.2f} µs/token + "
+        f"{f.prefill_s_per_token_ctx * 1e12:.3f} ps per (token × context token); "
+        f"pull {f.transfer_s_base * 1000:.2f} ms + "
+        f"{f.transfer_s_per_block * 1e6:.2f} µs per {block_size}-token block; decode "
+        f"{f.decode_s_per_token * 1000:.2f} ms/token + {f.decode_s_per_token_ctx * 1e9:.3f} ns per "
+        f"context token; overhead {f.overhead_s * 1000:.1f} ms"
+    )

@@ -101,12 +101,16 @@ def local_stack(
     template: str | None = str(CHATML_TEMPLATE),
     decode_prefix_caching: bool | None = None,
     unverified: bool = True,
+    decoder_ttl_s: int | None = None,
+    router_options: dict[str, Any] | None = None,
     startup_timeout_s: float = 180.0,
 ) -> Iterator[Stack]:
     """Start ``profile`` (a built-in name or TOML file) for a replay: free ports, TTLs
     compressed by ``time_scale``, simulator delays scaled by it too, the simulator's template
     ``template`` unless the profile names one, and (``unverified``) a second router with vLLM's
-    example-proxy policy on the same engines."""
+    example-proxy policy on the same engines. ``decoder_ttl_s`` replaces the profile's D TTL
+    (trace seconds, e.g. a long one for leases); ``router_options`` are more ``RouterConfig``
+    keys (real seconds)."""
     from agentkv.serve import expand, load_profile
     from agentkv.serve.profiles import Profile
     from agentkv.serve.supervisor import Supervisor
@@ -114,6 +118,8 @@ def local_stack(
     if time_scale <= 0:
         raise ValueError("time_scale must be positive")
     base = load_profile(profile)
+    if decoder_ttl_s is not None:
+        base = base.model_copy(update={"decoder_kv_blocks_ttl_s": decoder_ttl_s})
     data = base.model_dump()
     d_ttl, margin, _ = compressed_ttls(
         base.decoder_kv_blocks_ttl_s, base.router.ttl_margin_s, time_scale
@@ -122,6 +128,8 @@ def local_stack(
     if decode_prefix_caching is not None:
         data["decode"]["prefix_caching"] = decode_prefix_caching
     data["router"]["ttl_margin_s"] = margin
+    if router_options:
+        data["router"]["options"] = {**data["router"].get("options", {}), **router_options}
     taken: set[int] = set()
     data["router"]["port"] = _free_range(1, taken)
     for role in ("prefill", "decode"):

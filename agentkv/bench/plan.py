@@ -39,9 +39,9 @@ __all__ = [
     "DEFAULT_THRESHOLDS",
     "DEFAULT_TTLS",
     "OffloadVerdict",
-    "Plan",
     "PlanRow",
     "Step",
+    "TtlThresholdPlan",
     "break_even_tokens",
     "evaluate",
     "make_plan",
@@ -265,7 +265,11 @@ def offload_verdict(
 
 
 @dataclass
-class Plan:
+class TtlThresholdPlan:
+    """What ``agentkv plan`` recommends from a trace: D's TTL, the router's TTL and
+    ``kv_recompute_threshold``, with the grid of (TTL, threshold) rows it chose from and the
+    CPU offload tier's verdict."""
+
     rows: list[PlanRow]
     ttl_s: float
     router_ttl_s: float
@@ -312,7 +316,7 @@ def make_plan(
     epoch_rule: bool = False,
     offload_horizon_s: float = 3600.0,
     offload_gbps: float = 25.0,
-) -> Plan:
+) -> TtlThresholdPlan:
     """Evaluate every (TTL, threshold) and recommend one of each."""
     steps, tails = steps_of(sessions, block_size)
     if not steps:
@@ -361,7 +365,7 @@ def make_plan(
         * sum(s.reusable_tokens for s in steps)
         / max(1, sum(s.prompt_tokens for s in steps)),
     }
-    return Plan(
+    return TtlThresholdPlan(
         rows,
         chosen.ttl_s,
         chosen.router_ttl_s,

@@ -12,7 +12,16 @@ Policies:
 * ``unverified``: the same requests to a router with ``reuse_policy = "unverified"`` (vLLM's
   example proxy: the conversation's handle is attached whatever the prompt);
 * ``none``: no reuse, the published baseline: a fresh conversation id every turn, released
-  right after the turn (``close()``), so nothing is read back and D holds nothing between turns.
+  right after the turn (``close()``), so nothing is read back and D holds nothing between turns;
+* ``lease``: agentkv's router with retention leases, on a deployment whose D keeps blocks for
+  ``lease.max_hold_s``: each agent is an ``AsyncClient(lease_s=…)`` that renews its lease while
+  it is alive (tool waits: always; user waits: until the UI idle timeout ``lease.ui_idle_s``) and
+  dies without releasing anything (its client closed, renewals stop) when the UI idle timeout
+  passes and after its last turn; the router frees D's blocks when the lease lapses. A session
+  that comes back after its agent died resumes the same conversation in a new client.
+
+Under every policy but ``none`` a session ends as most agents do: without ``close()`` (D's timer,
+or the lapsed lease, frees its last blocks).
 
 Every turn's **ideal** reuse is computed on the wire: the longest common prefix of the new
 prompt and what D holds from the previous turn (its prompt and output but the last token), all
@@ -34,6 +43,7 @@ from typing import Any, Literal
 import httpx
 
 from agentkv.bench.content import ScriptedTurn
+from agentkv.bench.retention import LeaseParams, lease_hold_for
 from agentkv.protocol import (
     HEADER_CONVERSATION_ID,
     HEADER_SIM_MODEL_TTFT_MS,
@@ -44,6 +54,7 @@ from agentkv.protocol import (
 __all__ = [
     "POLICIES",
     "Policy",
+    "PolicyRun",
     "ReplaySettings",
     "SessionScript",
     "TurnRecord",
@@ -55,8 +66,8 @@ __all__ = [
     "wait_drained",
 ]
 
-Policy = Literal["none", "unverified", "agentkv"]
-POLICIES: tuple[Policy, ...] = ("none", "unverified", "agentkv")
+Policy = Literal["none", "unverified", "agentkv", "lease"]
+POLICIES: tuple[Policy, ...] = ("none", "unverified", "agentkv", "lease")
 
 
 @dataclass(frozen=True)
@@ -94,6 +105,26 @@ class ReplaySettings:
     """Thinking off: an answer is its content only, so a re-rendered history (after a strip or
     rewrite) is token-identical to the exact one up to the change; scripted reasoning is still
     written as a think block, which the strip removes."""
+    lease: LeaseParams | None = None
+    """The ``lease`` policy's liveness model (trace seconds); ``router_ttl_s`` and
+    ``decoder_ttl_s`` are then its deployment's (D's TTL ``lease.max_hold_s``)."""
+
+    def reuse_until_s(self, tool_wait: bool) -> float:
+        """The longest gap after which the next turn still finds the KV held."""
+        if self.lease is None:
+            return self.router_ttl_s
+        return min(self.router_ttl_s, lease_hold_for(tool_wait, self.lease).reuse_until_s)
+
+    def hold_s(self, tool_wait: bool) -> float:
+        """How long D holds a wait's KV when the next turn does not come in time."""
+        if self.lease is None:
+            return self.decoder_ttl_s
+        return min(self.decoder_ttl_s, lease_hold_for(tool_wait, self.lease).paid_s)
+
+    @property
+    def tail_hold_s(self) -> float:
+        """How long D holds a session's last blocks (its agent gone without ``close()``)."""
+        return self.decoder_ttl_s if self.lease is None else self.lease.lease_s
 
 
 @dataclass
@@ -107,8 +138,12 @@ class TurnRecord:
     gap_trace_s: float
     gap_real_s: float
     within_ttl: bool
+    """The gap is short enough for the policy to still hold the KV (the router's TTL; with
+    leases, the agent's liveness too)."""
     trace_input_tokens: int
     trace_output_tokens: int
+    tool_call: bool = False
+    """The trace's response ended in a tool call: the wait after this turn is a tool wait."""
     prompt_tokens: int = 0
     output_tokens: int = 0
     held_tokens: int = 0
@@ -117,6 +152,8 @@ class TurnRecord:
     """What a verifying router could let prefill read (0 when the gap is beyond the TTL)."""
     lcp_tokens: int = 0
     """Common prefix of the prompt and what D held, whatever the gap."""
+    reusable_tokens: int = 0
+    """The ideal whatever the gap: what any retention policy could let prefill read."""
     decision: str = ""
     router_reused_tokens: int = 0
     """``X-AgentKV-Reused-Tokens``: what the router attached."""
@@ -135,7 +172,8 @@ class TurnRecord:
     retained_block_s: float = 0.0
     """Blocks × trace seconds D holds them (modelled from the gaps, see ``modelled_retention``)."""
     held_to_ttl: bool = False
-    """D held them until its TTL: the next turn came too late, or never."""
+    """D held them until it freed them unread (its TTL, or a lapsed lease): the next turn came
+    too late, or never."""
     started_s: float = 0.0
     """Real seconds since the policy's run began."""
     error: str | None = None
@@ -165,20 +203,24 @@ def modelled_retention(
     records: list[TurnRecord], settings: ReplaySettings, next_gap_s: float | None = None
 ) -> None:
     """Fill ``retained_block_s`` of one session's records (in order): D holds a turn's blocks
-    until the next turn reads or releases them (its trace gap), or for its whole TTL when the
-    next turn comes too late or never (``next_gap_s``: the gap after the last record, when the
-    session was cut short). The ``none`` policy releases them at once."""
+    until the next turn reads or releases them (its trace gap), or, when the next turn comes too
+    late, for as long as the policy holds them (D's TTL; with leases, the agent's liveness plus
+    the lapse); after the session's last turn (``next_gap_s``: the gap after the last record,
+    when the session was cut short) for D's TTL, or with leases until the lease lapses. The
+    ``none`` policy releases them at once."""
     for i, rec in enumerate(records):
         if rec.policy == "none" or rec.error:
             rec.retained_block_s = 0.0
             continue
         nxt = records[i + 1] if i + 1 < len(records) else None
-        if nxt is not None and not nxt.error and nxt.gap_trace_s < settings.router_ttl_s:
-            hold = nxt.gap_trace_s
-        elif nxt is None and next_gap_s is not None and next_gap_s < settings.router_ttl_s:
-            hold = next_gap_s
+        gap = nxt.gap_trace_s if nxt is not None and not nxt.error else None
+        if nxt is None and next_gap_s is not None:
+            gap = next_gap_s
+        tool_wait = rec.tool_call
+        if gap is not None and gap < settings.reuse_until_s(tool_wait):
+            hold = gap
         else:
-            hold = settings.decoder_ttl_s
+            hold = settings.hold_s(tool_wait) if nxt is not None else settings.tail_hold_s
             rec.held_to_ttl = True
         rec.retained_block_s = rec.retained_blocks * hold
 
@@ -211,24 +253,84 @@ def _real_gap(turn: ScriptedTurn, settings: ReplaySettings) -> float:
     return gap
 
 
+class _Agents:
+    """The SDK clients of one policy's run: one client for every session, or (``lease``) one
+    client per agent life, so that an agent's death stops its lease renewals and nothing else."""
+
+    def __init__(self, base_url: str, api_key: str, capture: _Capture, settings: ReplaySettings):
+        self.base_url, self.api_key, self.capture, self.settings = (
+            base_url,
+            api_key,
+            capture,
+            settings,
+        )
+        self.lease_s = (
+            None if settings.lease is None else settings.lease.lease_s * settings.time_scale
+        )
+        self._shared: Any = None
+        self.deaths = 0
+        self.last_death = 0.0
+        """``perf_counter`` of the last agent's death (``lease``)."""
+
+    def _http(self) -> httpx.AsyncClient:
+        per_client = 2 if self.lease_s is not None else max(8, self.settings.concurrency)
+        return httpx.AsyncClient(
+            event_hooks={"request": [self.capture.on_request], "response": [self.capture.hook]},
+            timeout=self.settings.request_timeout_s,
+            trust_env=False,
+            limits=httpx.Limits(max_connections=2 * per_client),
+        )
+
+    def _new(self) -> Any:
+        import agentkv
+
+        return agentkv.AsyncClient(
+            base_url=self.base_url,
+            api_key=self.api_key,
+            http_client=self._http(),
+            lease_s=self.lease_s,
+        )
+
+    async def __aenter__(self) -> _Agents:
+        if self.lease_s is None:
+            self._shared = self._new()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._shared is not None:
+            await self._shared.close()
+
+    def born(self) -> Any:
+        """A client for an agent that starts (or comes back)."""
+        return self._shared if self._shared is not None else self._new()
+
+    async def died(self, client: Any) -> None:
+        """The agent is gone: its renewals stop, nothing is released (``lease``)."""
+        if client is not self._shared:
+            await client.close()
+            self.deaths += 1
+            self.last_death = time.perf_counter()
+
+
 async def _run_session(
-    client: Any,
-    capture: _Capture,
+    agents: _Agents,
     script: SessionScript,
     policy: Policy,
-    settings: ReplaySettings,
     salt: str,
     t0: float,
     on_turn: Callable[[TurnRecord], None],
 ) -> list[TurnRecord]:
+    settings, capture = agents.settings, agents.capture
     records: list[TurnRecord] = []
     base_id = f"bench-{policy}-{script.id}-{uuid.uuid4().hex[:8]}"
+    client = agents.born()
     conv = client.conversation(
         base_id, model=settings.model, chat_template_kwargs=settings.chat_template_kwargs
     )
     held: list[int] = []
     answered = time.perf_counter()  # when the previous answer ended
     render_s = 0.0  # how long the SDK took from create() to sending, last turn
+    tool_wait = False  # the previous answer ended in a tool call
     for turn in script.turns:
         gap_real = _real_gap(turn, settings) if turn.index else 0.0
         rec = TurnRecord(
@@ -238,10 +340,20 @@ async def _run_session(
             kind=turn.kind,
             gap_trace_s=turn.gap_s,
             gap_real_s=gap_real,
-            within_ttl=turn.index > 0 and turn.gap_s < settings.router_ttl_s,
+            within_ttl=turn.index > 0 and turn.gap_s < settings.reuse_until_s(tool_wait),
             trace_input_tokens=turn.trace.input_tokens,
             trace_output_tokens=turn.trace.output_tokens,
+            tool_call=turn.trace.tool_call,
         )
+        lease = settings.lease
+        if turn.index and lease is not None and not tool_wait and turn.gap_s > lease.ui_idle_s:
+            # a user wait past the UI idle timeout: the agent dies then, and comes back later
+            idle_end = answered + lease.ui_idle_s * settings.time_scale
+            await asyncio.sleep(max(0.0, idle_end - time.perf_counter()))
+            state = conv.to_state()
+            await agents.died(client)
+            client = agents.born()
+            conv = client.resume(state)
         # the request should reach the router `gap_real` after the previous answer ended
         wait = answered + gap_real - render_s - time.perf_counter()
         if turn.index and wait > 0:
@@ -288,6 +400,7 @@ async def _run_session(
         rec.held_tokens = len(held)
         ideal, lcp = ideal_tokens(prompt, held, settings.block_size) if held else (0, 0)
         rec.lcp_tokens = lcp
+        rec.reusable_tokens = ideal
         rec.ideal_tokens = ideal if rec.within_ttl else 0
         rec.decision = receipt.decision or ""
         # past the router's TTL the store has dropped the handle (``miss``) or is about to
@@ -302,16 +415,25 @@ async def _run_session(
             rec.model_ttft_ms = float(headers[HEADER_SIM_MODEL_TTFT_MS.lower()])
         held = ids[:-1]
         rec.retained_blocks = math.ceil(len(held) / settings.block_size)
+        tool_wait = turn.trace.tool_call
         if policy == "none":
             await conv.close()
         records.append(rec)
         on_turn(rec)
-    if policy != "none":
-        with contextlib.suppress(Exception):
-            await conv.close()  # the modelled retention still counts the tail (D's TTL)
+    # the agent leaves without close(): D's timer, or the lapsed lease, frees its last blocks
+    await agents.died(client)
     complete = len(records) == len(script.turns) and not any(r.error for r in records)
     modelled_retention(records, settings, script.next_gap_s if complete else None)
     return records
+
+
+@dataclass
+class PolicyRun:
+    """One policy's replay: its turns, and when its last agent died (``lease``)."""
+
+    records: list[TurnRecord]
+    last_death: float | None = None
+    """``perf_counter`` of the last agent's death (renewals stopped), under ``lease``."""
 
 
 async def replay_policy(
@@ -322,24 +444,19 @@ async def replay_policy(
     *,
     api_key: str = "agentkv-bench",
     on_turn: Callable[[TurnRecord], None] | None = None,
-) -> list[TurnRecord]:
+) -> PolicyRun:
     """Replay every session under ``policy`` against the router at ``base_url``; at most
     ``settings.concurrency`` sessions at once. A per-run ``cache_salt`` keeps runs from
-    finding each other's blocks in the engines' prefix caches."""
-    import agentkv
-
+    finding each other's blocks in the engines' prefix caches. ``policy == "lease"`` needs
+    ``settings.lease``."""
+    if (policy == "lease") != (settings.lease is not None):
+        raise ValueError("the lease policy, and only it, replays with settings.lease")
     capture = _Capture()
-    http = httpx.AsyncClient(
-        event_hooks={"request": [capture.on_request], "response": [capture.hook]},
-        timeout=settings.request_timeout_s,
-        trust_env=False,
-        limits=httpx.Limits(max_connections=max(16, 2 * settings.concurrency)),
-    )
     salt = f"bench-{policy}-{uuid.uuid4().hex[:12]}"
     gate = asyncio.Semaphore(max(1, settings.concurrency))
     t0 = time.perf_counter()
     notify = on_turn or (lambda _r: None)
-    async with agentkv.AsyncClient(base_url=base_url, api_key=api_key, http_client=http) as client:
+    async with _Agents(base_url, api_key, capture, settings) as agents:
 
         async def one(script: SessionScript) -> list[TurnRecord]:
             if settings.honor_starts and script.start_s > 0:
@@ -347,17 +464,16 @@ async def replay_policy(
                 if wait > 0:
                     await asyncio.sleep(wait)
             async with gate:
-                return await _run_session(
-                    client, capture, script, policy, settings, salt, t0, notify
-                )
+                return await _run_session(agents, script, policy, salt, t0, notify)
 
         results = await asyncio.gather(*(one(s) for s in scripts))
-    return [r for session in results for r in session]
+    records = [r for session in results for r in session]
+    return PolicyRun(records, agents.last_death if agents.deaths else None)
 
 
 async def wait_drained(decode_urls: Sequence[str], timeout_s: float) -> bool:
     """Wait until no decode instance retains blocks for a next turn."""
-    from agentkv.promtext import parse_metrics
+    from agentkv.protocol.promtext import parse_metrics
 
     deadline = time.monotonic() + timeout_s
     async with httpx.AsyncClient(trust_env=False, timeout=5) as client:
@@ -376,7 +492,7 @@ async def wait_drained(decode_urls: Sequence[str], timeout_s: float) -> bool:
 
 async def scrape(urls: Sequence[str], names: Sequence[str]) -> dict[str, float]:
     """Sum of each metric over ``urls`` (missing: 0)."""
-    from agentkv.promtext import parse_metrics
+    from agentkv.protocol.promtext import parse_metrics
 
     out = dict.fromkeys(names, 0.0)
     async with httpx.AsyncClient(trust_env=False, timeout=5) as client:

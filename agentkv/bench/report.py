@@ -31,6 +31,7 @@ _POLICY_NAMES = {
     "none": "no reuse (baseline)",
     "unverified": "unverified conversation-id reuse",
     "agentkv": "agentkv verified reuse",
+    "lease": "agentkv + retention leases",
 }
 
 
@@ -80,6 +81,9 @@ class PolicySummary:
     """Reusable tokens D held for turns whose gap is within the router's TTL."""
     beyond_ttl_tokens: int = 0
     """Tokens D held that matched the next prompt, on turns whose gap was too long."""
+    reusable_tokens: int = 0
+    """The ideal whatever the gap: what any retention policy could let prefill read (the same
+    for every policy on the same prompts)."""
     useful_reused_tokens: int = 0
     reused_tokens: int = 0
     recomputed_tokens: int = 0
@@ -106,6 +110,11 @@ class PolicySummary:
     def captured_pct(self) -> float | None:
         return _pct(self.useful_reused_tokens, self.ideal_tokens)
 
+    @property
+    def lost_pct(self) -> float | None:
+        """Reusable tokens (whatever the gap) not read back correctly: what retention lost."""
+        return _pct(self.reusable_tokens - self.useful_reused_tokens, self.reusable_tokens)
+
     def to_dict(self) -> dict[str, Any]:
         data = {
             f.name: getattr(self, f.name)
@@ -113,6 +122,7 @@ class PolicySummary:
             if f.name not in ("model_ttft_ms", "wall_ttft_ms", "by_kind")
         }
         data["captured_pct"] = self.captured_pct
+        data["lost_pct"] = self.lost_pct
         data["by_kind"] = {
             k: {**asdict(v), "captured_pct": v.captured_pct} for k, v in self.by_kind.items()
         }
@@ -143,6 +153,7 @@ def summarize(
         s.decisions[r.decision] = s.decisions.get(r.decision, 0) + 1
         s.prompt_tokens += r.prompt_tokens
         s.ideal_tokens += r.ideal_tokens
+        s.reusable_tokens += r.reusable_tokens
         if not r.within_ttl and r.turn > 0:
             s.beyond_ttl_tokens += r.lcp_tokens
         s.useful_reused_tokens += r.useful_reuse

@@ -41,7 +41,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypedDict
+
+from typing_extensions import Unpack
 
 from agentkv.bench.plan import Step, Tail, steps_of
 from agentkv.bench.traces import Session
@@ -61,6 +63,7 @@ __all__ = [
     "evaluate_holds",
     "fixed_hold",
     "lease_hold",
+    "lease_hold_for",
     "lease_name",
     "oracle_budget",
     "oracle_hold",
@@ -143,14 +146,20 @@ def oracle_hold(cap_s: float) -> HoldRule:
     return lambda st: Hold(math.inf, st.gap_s) if st.gap_s <= cap_s else Hold(-1.0, 0.0)
 
 
-def lease_hold(p: LeaseParams) -> HoldRule:
-    """The liveness lease (see the module docstring): tool waits alive up to D's TTL, user
-    waits alive for ``ui_idle_s``, then lapsing within ``lease_s``."""
-    tool = Hold(p.max_hold_s, p.max_hold_s)
-    user = Hold(
+def lease_hold_for(tool_wait: bool, p: LeaseParams) -> Hold:
+    """The liveness lease's hold of one wait (see the module docstring): tool waits alive up to
+    D's TTL, user waits alive for ``ui_idle_s``, then lapsing within ``lease_s``."""
+    if tool_wait:
+        return Hold(p.max_hold_s, p.max_hold_s)
+    return Hold(
         min(p.max_hold_s, p.ui_idle_s + 2 * p.lease_s / 3),
         min(p.max_hold_s, p.ui_idle_s + p.lease_s),
     )
+
+
+def lease_hold(p: LeaseParams) -> HoldRule:
+    """:func:`lease_hold_for` as a rule over a trace's steps."""
+    tool, user = lease_hold_for(True, p), lease_hold_for(False, p)
     return lambda st: tool if st.tool_wait else user
 
 
@@ -282,28 +291,26 @@ def retention_table(
     return rows
 
 
+class RetentionOptions(TypedDict, total=False):
+    """:func:`retention_table`'s options that :func:`retention_report` passes on."""
+
+    fixed_ttls: Sequence[float]
+    lease: LeaseParams | None
+    horizon_s: float
+
+
 def retention_report(
     sessions: Sequence[Session],
     families: Sequence[str],
     *,
-    fixed_ttls: Sequence[float] = DEFAULT_FIXED_TTLS,
-    lease: LeaseParams | None = None,
     block_size: int = 16,
-    horizon_s: float = 3600.0,
+    **options: Unpack[RetentionOptions],
 ) -> list[RetentionRow]:
     """:func:`retention_table` over a trace's sessions."""
     steps, tails = steps_of(sessions, block_size)
     if not steps:
         raise ValueError("the trace has no session with two turns or more")
-    return retention_table(
-        steps,
-        tails,
-        families,
-        fixed_ttls=fixed_ttls,
-        lease=lease,
-        block_size=block_size,
-        horizon_s=horizon_s,
-    )
+    return retention_table(steps, tails, families, block_size=block_size, **options)
 
 
 def best_lease(rows: Sequence[RetentionRow], max_vs_fixed_450: float = 1.0) -> RetentionRow | None:

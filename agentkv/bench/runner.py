@@ -8,6 +8,7 @@ import os
 import platform
 import shlex
 import sys
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -15,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from agentkv.bench.content import script_session
+from agentkv.bench.deploy import Stack
 from agentkv.bench.replay import (
+    POLICIES,
     Policy,
     ReplaySettings,
     SessionScript,
@@ -31,10 +34,21 @@ from agentkv.bench.report import (
     write_csv,
     write_json,
 )
+from agentkv.bench.retention import LeaseParams
 from agentkv.bench.traces import Session, TraceFormat, detect_format, iter_claude_code, load_trace
 from agentkv.protocol import Metric
 
-__all__ = ["ReplayOutcome", "ReplayRun", "render_markdown", "run", "select_sessions"]
+__all__ = [
+    "PolicyTarget",
+    "ReplayOutcome",
+    "ReplayRun",
+    "lease_router_options",
+    "render_markdown",
+    "run",
+    "select_sessions",
+    "stack_settings",
+    "stack_target",
+]
 
 _RETAINED = f"{Metric.SIM_RETAINED_BLOCK_SECONDS}_total"
 _WRONG = f"{Metric.SIM_WRONG_KV_TOKENS}_total"
@@ -42,7 +56,7 @@ _EXPIRED = f"{Metric.NIXL_NUM_KV_EXPIRED_REQS}_total"
 _MEASURED = (_RETAINED, _WRONG, _EXPIRED)
 
 
-async def _counters(run: ReplayRun) -> dict[str, float]:
+async def _counters(run: PolicyTarget) -> dict[str, float]:
     """The simulator counters the report shows, per role."""
     prefill = [u for u in run.engine_urls if u not in run.decode_urls]
     p = await scrape(prefill, _MEASURED)
@@ -53,6 +67,17 @@ async def _counters(run: ReplayRun) -> dict[str, float]:
         "wrong_kv_tokens_decode": d[_WRONG],
         "expired_decode": d[_EXPIRED],
     }
+
+
+@dataclass(frozen=True)
+class PolicyTarget:
+    """A policy that runs on a deployment of its own (``lease``: D with a long TTL)."""
+
+    url: str
+    settings: ReplaySettings
+    decode_urls: tuple[str, ...] = ()
+    engine_urls: tuple[str, ...] = ()
+    drain_timeout_s: float = 0.0
 
 
 @dataclass
@@ -68,6 +93,22 @@ class ReplayRun:
     drain_timeout_s: float = 0.0
     setup: dict[str, Any] = field(default_factory=dict)
     """Described in the report (profile, TTLs, preset, …)."""
+    own: dict[Policy, PolicyTarget] = field(default_factory=dict)
+    """Policies on deployments of their own, run after ``targets``."""
+
+    def plan(self) -> list[tuple[Policy, PolicyTarget]]:
+        """Every policy to run, in order, with where and how."""
+        shared = [
+            (
+                policy,
+                PolicyTarget(
+                    url, self.settings, self.decode_urls, self.engine_urls, self.drain_timeout_s
+                ),
+            )
+            for policy, url in self.targets.items()
+            if policy not in self.own
+        ]
+        return shared + list(self.own.items())
 
 
 @dataclass
@@ -76,6 +117,44 @@ class ReplayOutcome:
     summaries: dict[str, PolicySummary]
     meta: dict[str, Any]
     files: list[Path]
+
+
+def stack_settings(
+    stack: Stack,
+    *,
+    concurrency: int = 8,
+    honor_starts: bool = False,
+    lease: LeaseParams | None = None,
+) -> ReplaySettings:
+    """How to replay on a deployment from :func:`~agentkv.bench.deploy.local_stack`."""
+    return ReplaySettings(
+        model=stack.model,
+        block_size=stack.block_size,
+        time_scale=stack.time_scale,
+        router_ttl_s=stack.router_ttl_s,
+        decoder_ttl_s=stack.decoder_ttl_s,
+        gap_cap_real_s=stack.decoder_ttl_real_s + 1,
+        concurrency=concurrency,
+        honor_starts=honor_starts,
+        lease=lease,
+    )
+
+
+def lease_router_options(lease: LeaseParams, time_scale: float) -> dict[str, Any]:
+    """Router keys for a lease deployment on a compressed clock: lapsed leases are looked for
+    six times per (real) lease, so a lapse is noticed within a sixth of it."""
+    return {"lease_check_interval_s": max(0.02, min(0.5, lease.lease_s * time_scale / 6))}
+
+
+def stack_target(stack: Stack, settings: ReplaySettings) -> PolicyTarget:
+    """A policy that runs on ``stack`` of its own, drained within D's TTL after the run."""
+    return PolicyTarget(
+        stack.base_url,
+        settings,
+        stack.decode_urls,
+        stack.engine_urls,
+        drain_timeout_s=stack.decoder_ttl_real_s + 5,
+    )
 
 
 def select_sessions(
@@ -145,21 +224,29 @@ async def _run_all(
         disable=not progress,
         transient=False,
     )
+    plan = run.plan()
     with bar:
-        tasks = {p: bar.add_task(policy_name(p), total=total) for p in run.targets}
-        for policy, url in run.targets.items():
-            before = await _counters(run) if run.decode_urls else {}
+        tasks = {p: bar.add_task(policy_name(p), total=total) for p, _ in plan}
+        for policy, target in plan:
+            before = await _counters(target) if target.decode_urls else {}
             task = tasks[policy]
 
             def advance(_r: TurnRecord, task: Any = task) -> None:
                 bar.advance(task)
 
-            records += await replay_policy(scripts, url, policy, run.settings, on_turn=advance)
-            if run.decode_urls:
-                drained = await wait_drained(run.decode_urls, run.drain_timeout_s)
-                after = await _counters(run)
+            done = await replay_policy(
+                scripts, target.url, policy, target.settings, on_turn=advance
+            )
+            records += done.records
+            if target.decode_urls:
+                drained = await wait_drained(target.decode_urls, target.drain_timeout_s)
+                gone = time.perf_counter() - (done.last_death or time.perf_counter())
+                after = await _counters(target)
                 measured[policy] = {k: v - before.get(k, 0.0) for k, v in after.items()}
                 measured[policy]["drained"] = float(drained)
+                if done.last_death is not None:
+                    # how long D kept blocks after the last agent died (its renewals stopped)
+                    measured[policy]["freed_after_last_death_s"] = gone
     return records, measured
 
 
@@ -229,6 +316,11 @@ def _fmt(value: float | None, digits: int = 1, suffix: str = "") -> str:
     return f"{value:,.{digits}f}{suffix}"
 
 
+def _in_order(summaries: Mapping[str, PolicySummary]) -> list[tuple[str, PolicySummary]]:
+    """The policies that were run, in the report's order."""
+    return [(policy, summaries[policy]) for policy in POLICIES if policy in summaries]
+
+
 def summary_rows(summaries: Mapping[str, PolicySummary]) -> list[list[str]]:
     """The terminal and markdown summary table (header first)."""
     rows = [
@@ -237,6 +329,7 @@ def summary_rows(summaries: Mapping[str, PolicySummary]) -> list[list[str]]:
             "turns",
             "ideal reusable tokens",
             "read back correctly",
+            "reusable lost (any gap)",
             "wrong-KV tokens (turns)",
             "prefill tokens recomputed",
             "compute saved",
@@ -246,10 +339,7 @@ def summary_rows(summaries: Mapping[str, PolicySummary]) -> list[list[str]]:
             "retained block-hours",
         ]
     ]
-    for policy in ("none", "unverified", "agentkv"):
-        s = summaries.get(policy)
-        if s is None:
-            continue
+    for policy, s in _in_order(summaries):
         d = s.to_dict()
         rows.append(
             [
@@ -257,6 +347,7 @@ def summary_rows(summaries: Mapping[str, PolicySummary]) -> list[list[str]]:
                 f"{s.turns}" + (f" ({s.errors} failed)" if s.errors else ""),
                 f"{s.ideal_tokens:,}",
                 f"{s.useful_reused_tokens:,} ({_fmt(s.captured_pct, 2, '%')})",
+                "–" if policy == "none" else _fmt(s.lost_pct, 2, "%"),
                 f"{s.wrong_kv_tokens:,} ({s.wrong_kv_turns})",
                 f"{s.recomputed_tokens:,}",
                 _fmt(s.compute_saved_pct, 1, "%"),
@@ -289,10 +380,7 @@ def kind_rows(summaries: Mapping[str, PolicySummary]) -> list[list[str]]:
             "wrong-KV tokens (turns)",
         ]
     ]
-    for policy in ("none", "unverified", "agentkv"):
-        s = summaries.get(policy)
-        if s is None:
-            continue
+    for policy, s in _in_order(summaries):
         for kind in ("append", "strip", "rewrite"):
             k = s.by_kind.get(kind)
             if k is None:
@@ -347,11 +435,15 @@ def render_markdown(
         "back (all it held when the prompt repeats all of it, else the common prefix in whole "
         "blocks). *Read back correctly*: prompt tokens prefill did not compute, less those that "
         "ran on KV of other tokens (the simulator's wrong-KV count), capped at the ideal. "
+        "*Reusable lost*: the reusable tokens of every turn, whatever its gap, that were not "
+        "read back correctly (what retention and verification lost; with leases the ideal "
+        "also needs the agent alive). "
         "*Compute saved*: prompt tokens prefill did not compute, of all prompt tokens. *TTFT*: "
         "the simulator's cost model (`X-AgentKV-Sim-Model-TTFT-Ms`, independent of this "
         "machine's load); *saved* is against the baseline on the same turns. *Retained "
         "block-hours*: blocks D holds between turns × how long, modelled at full speed from the "
-        "trace's gaps (until the next turn, or D's TTL when it comes too late or never).",
+        "trace's gaps (until the next turn, or D's TTL when it comes too late or never; with "
+        "leases until the lease lapses after the agent died).",
         "",
         "## By turn kind",
         "",
@@ -364,19 +456,23 @@ def render_markdown(
             "## Simulator counters (this run, real seconds)",
             "",
             "Read from the engines' `/metrics` before and after each policy (after D freed "
-            "everything it retained). D's block-seconds are on the compressed clock, with each "
-            "session's last handle released when the session ends (`close()`); the modelled "
-            "figures above count it until D's TTL instead.",
+            "everything it retained). D's block-seconds are on the compressed clock; every "
+            "session ends without `close()`, so D's timer (or, with leases, the lapsed lease) "
+            "frees its last blocks. *Freed after the last agent died*: real seconds from the "
+            "last agent's death (its lease renewals stopped) until D held no block.",
             "",
             "| policy | D retained block-seconds | wrong-KV tokens on P | wrong-KV tokens on D "
-            "| handles expired on D |",
-            "|---|---|---|---|---|",
+            "| handles expired on D | freed after the last agent died |",
+            "|---|---|---|---|---|---|",
         ]
         for p, m in measured.items():
+            freed = m.get("freed_after_last_death_s")
             lines.append(
                 f"| {policy_name(p)} | {m.get('retained_block_s_decode', 0):,.1f} | "
                 f"{m.get('wrong_kv_tokens_prefill', 0):,.0f} | "
-                f"{m.get('wrong_kv_tokens_decode', 0):,.0f} | {m.get('expired_decode', 0):,.0f} |"
+                f"{m.get('wrong_kv_tokens_decode', 0):,.0f} | {m.get('expired_decode', 0):,.0f} | "
+                + ("–" if freed is None else f"{freed:.1f} s")
+                + " |"
             )
         lines.append("")
     if images:

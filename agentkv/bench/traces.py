@@ -196,6 +196,14 @@ def _open_text(path: Path) -> IO[str]:
     return path.open(encoding="utf-8")
 
 
+def _lines(path: Path) -> Iterator[tuple[int, str]]:
+    """The file's non-blank lines, numbered from 1 (an ``.xz`` file read as it is)."""
+    with _open_text(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                yield lineno, line
+
+
 def _ends_in_tool_call(request: dict[str, Any]) -> bool:
     stop = request.get("stop")
     if stop:
@@ -238,45 +246,42 @@ def _weka_turns(requests: list[dict[str, Any]], where: str) -> tuple[Turn, ...]:
 def iter_claude_code(path: str | Path, *, include_subagents: bool = False) -> Iterator[Session]:
     """Sessions of a Claude Code trace, one line at a time (the file stays compressed)."""
     p = Path(path)
-    with _open_text(p) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
+    for lineno, line in _lines(p):
+        try:
+            data = json.loads(line)
+            sid = str(data["id"])
+            requests = list(data["requests"])
+            block = int(data.get("block_size") or 64)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise TraceError(f"{p}:{lineno}: not a Claude Code session: {exc!r}") from None
+        main = [r for r in requests if r.get("type") != "subagent"]
+        system = int(data.get("system_tokens") or 0) + int(data.get("tool_tokens") or 0)
+        if main:
+            yield Session(
+                id=sid,
+                turns=_weka_turns(main, f"{p}:{lineno}"),
+                source="claude-code",
+                block_size=block,
+                namespace=sid,
+                system_tokens=system,
+                meta={"models": data.get("models") or []},
+            )
+        if not include_subagents:
+            continue
+        for sub in requests:
+            if sub.get("type") != "subagent" or not sub.get("requests"):
                 continue
-            try:
-                data = json.loads(line)
-                sid = str(data["id"])
-                requests = list(data["requests"])
-                block = int(data.get("block_size") or 64)
-            except (ValueError, KeyError, TypeError) as exc:
-                raise TraceError(f"{p}:{lineno}: not a Claude Code session: {exc!r}") from None
-            main = [r for r in requests if r.get("type") != "subagent"]
-            system = int(data.get("system_tokens") or 0) + int(data.get("tool_tokens") or 0)
-            if main:
-                yield Session(
-                    id=sid,
-                    turns=_weka_turns(main, f"{p}:{lineno}"),
-                    source="claude-code",
-                    block_size=block,
-                    namespace=sid,
-                    system_tokens=system,
-                    meta={"models": data.get("models") or []},
-                )
-            if not include_subagents:
-                continue
-            for sub in requests:
-                if sub.get("type") != "subagent" or not sub.get("requests"):
-                    continue
-                sub_system = int(sub.get("system_tokens") or 0) + int(sub.get("tool_tokens") or 0)
-                yield Session(
-                    id=f"{sid}/{sub.get('agent_id', 'sub')}",
-                    turns=_weka_turns(list(sub["requests"]), f"{p}:{lineno} sub-agent"),
-                    source="claude-code",
-                    block_size=block,
-                    namespace=sid,
-                    start_s=float(sub.get("t") or 0.0),
-                    system_tokens=sub_system,
-                    meta={"subagent_type": sub.get("subagent_type")},
-                )
+            sub_system = int(sub.get("system_tokens") or 0) + int(sub.get("tool_tokens") or 0)
+            yield Session(
+                id=f"{sid}/{sub.get('agent_id', 'sub')}",
+                turns=_weka_turns(list(sub["requests"]), f"{p}:{lineno} sub-agent"),
+                source="claude-code",
+                block_size=block,
+                namespace=sid,
+                start_s=float(sub.get("t") or 0.0),
+                system_tokens=sub_system,
+                meta={"subagent_type": sub.get("subagent_type")},
+            )
 
 
 # -- Mooncake ----------------------------------------------------------------------------------
@@ -287,22 +292,19 @@ def load_mooncake(path: str | Path, *, block_size: int = _MOONCAKE_BLOCK) -> lis
     """Sessions inferred from a Mooncake trace (see the module docstring)."""
     p = Path(path)
     rows: list[tuple[float, int, int, tuple[int, ...]]] = []
-    with _open_text(p) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                d = json.loads(line)
-                rows.append(
-                    (
-                        float(d["timestamp"]) / 1000.0,
-                        int(d["input_length"]),
-                        max(1, int(d["output_length"])),
-                        tuple(int(h) for h in d["hash_ids"]),
-                    )
+    for lineno, line in _lines(p):
+        try:
+            d = json.loads(line)
+            rows.append(
+                (
+                    float(d["timestamp"]) / 1000.0,
+                    int(d["input_length"]),
+                    max(1, int(d["output_length"])),
+                    tuple(int(h) for h in d["hash_ids"]),
                 )
-            except (ValueError, KeyError, TypeError) as exc:
-                raise TraceError(f"{p}:{lineno}: not a Mooncake request: {exc!r}") from None
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            raise TraceError(f"{p}:{lineno}: not a Mooncake request: {exc!r}") from None
     order = sorted(range(len(rows)), key=lambda i: rows[i][0])
     # last full block id -> index of the latest request whose full blocks end with it
     by_last: dict[int, int] = {}

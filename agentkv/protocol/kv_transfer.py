@@ -10,15 +10,39 @@ The same dict travels both ways (``reference/vllm-protocol.md`` §2):
   (:meth:`release_only`).
 
 Unknown fields are kept (``extra="allow"``) because connectors add their own.
+
+The model validates what crosses a trust boundary; the hot paths (the router once per turn, the
+simulator once per request) read and edit the wire dict itself through the plain functions
+below, so this module is the one place that spells the handle's field names.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["PULL_FIELDS", "KVTransferParams"]
+__all__ = [
+    "PULL_FIELDS",
+    "HandleAddress",
+    "KVTransferParams",
+    "address",
+    "asks_for_handle",
+    "block_ids",
+    "can_read_from_decode",
+    "expiry_time",
+    "handle_key",
+    "is_prefill_handle",
+    "make_handle",
+    "mark_processed",
+    "mark_read",
+    "num_tokens",
+    "owner_host",
+    "prefill_cached_tokens",
+    "with_owner_host",
+]
 
 PULL_FIELDS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 """Fields that must all be present (with ``remote_block_ids``) for vLLM to start a read."""
@@ -78,6 +102,16 @@ class KVTransferParams(BaseModel):
         return bool(self.remote_block_ids) and all(f in fields for f in PULL_FIELDS)
 
     @property
+    def has_blocks(self) -> bool:
+        """Whether the handle names any block groups (a handle without them holds nothing)."""
+        return bool(self.remote_block_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """The tokens the handle's blocks hold (0 when unset)."""
+        return self.remote_num_tokens or 0
+
+    @property
     def num_blocks(self) -> int:
         """Blocks per KV-cache group (the first group's count)."""
         return len(self.remote_block_ids[0]) if self.remote_block_ids else 0
@@ -96,3 +130,132 @@ class KVTransferParams(BaseModel):
     def release_only(self) -> KVTransferParams:
         """The same handle with ``remote_num_tokens: 0``: P only notifies the owner to free it."""
         return self.model_copy(update={"remote_num_tokens": 0})
+
+
+# -- the wire dict, read and edited without a model ----------------------------------------------
+Params = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class HandleAddress:
+    """Where a handle's blocks live: the owner's side channel and its request."""
+
+    host: str
+    port: int
+    request_id: str
+    engine_id: str
+
+
+def is_prefill_handle(params: Params) -> bool:
+    """P's handle (``do_remote_prefill``): the reader pulls P's prompt KV."""
+    return bool(params.get("do_remote_prefill"))
+
+
+def asks_for_handle(params: Params) -> bool:
+    """``do_remote_decode``: the request runs on P, and its answer carries P's handle for D."""
+    return bool(params.get("do_remote_decode"))
+
+
+def can_read_from_decode(params: Params) -> bool:
+    """D's handle complete enough for P to read it back (``do_remote_decode``, blocks and every
+    address field): vLLM's bidirectional read."""
+    return (
+        bool(params.get("do_remote_decode"))
+        and bool(params.get("remote_block_ids"))
+        and all(f in params for f in PULL_FIELDS)
+    )
+
+
+def num_tokens(params: Params) -> int:
+    """``remote_num_tokens`` (0 when unset)."""
+    return int(params.get("remote_num_tokens") or 0)
+
+
+def block_ids(params: Params) -> list[int]:
+    """The first KV-cache group's block ids."""
+    return list((params.get("remote_block_ids") or [[]])[0])
+
+
+def expiry_time(params: Params) -> float | None:
+    """``remote_blocks_expiry_time``: seconds on the owner's private clock, or None."""
+    value = params.get("remote_blocks_expiry_time")
+    return None if value is None else float(value)
+
+
+def address(params: Params) -> HandleAddress:
+    """The owner's side channel and request, as the reader uses them."""
+    return HandleAddress(
+        host=str(params.get("remote_host")),
+        port=int(params.get("remote_port") or 0),
+        request_id=str(params.get("remote_request_id")),
+        engine_id=str(params.get("remote_engine_id")),
+    )
+
+
+def handle_key(params: Params) -> str:
+    """Engine id and request id: unique per handle on one owner."""
+    return f"{params.get('remote_engine_id')}|{params.get('remote_request_id')}"
+
+
+def owner_host(params: Params) -> str:
+    """``remote_host`` as a string (empty when unset)."""
+    return str(params.get("remote_host") or "")
+
+
+def with_owner_host(params: Params, host: str) -> dict[str, Any]:
+    """A copy of ``params`` whose reader reaches the owner at ``host``."""
+    return {**params, "remote_host": host}
+
+
+def prefill_cached_tokens(params: Params) -> int | None:
+    """On D: P's ``remote_prefill_cached_tokens`` when the handle is P's (None otherwise)."""
+    if not is_prefill_handle(params):
+        return None
+    value = params.get("remote_prefill_cached_tokens")
+    return int(value) if isinstance(value, int) else None
+
+
+def mark_read(params: dict[str, Any]) -> None:
+    """In place: the handle's transfer is under way (vLLM: one transfer per request)."""
+    params["do_remote_prefill"] = False
+
+
+def mark_processed(params: dict[str, Any]) -> None:
+    """In place: the connector has acted on the handle (vLLM's ``_remote_blocks_processed``)."""
+    params["_remote_blocks_processed"] = True
+
+
+def make_handle(
+    *,
+    prefill_side: bool,
+    block_ids: list[int],
+    engine_id: str,
+    request_id: str,
+    host: str,
+    port: int,
+    num_tokens: int,
+    expiry_time: float | None,
+    cached_tokens: int | None = None,
+) -> dict[str, Any]:
+    """The handle an engine returns at the end of a request, in vLLM 0.33's NixlConnector shape:
+    P's (``prefill_side``: D reads the prompt, ``cached_tokens`` is P's prefix hit) or D's
+    (P reads it back next turn, until ``expiry_time``)."""
+    handle: dict[str, Any] = {
+        "do_remote_prefill": prefill_side,
+        "do_remote_decode": not prefill_side,
+        "remote_block_ids": [block_ids],
+        "remote_engine_id": engine_id,
+        "remote_request_id": request_id,
+        "remote_host": host,
+        "remote_port": port,
+        "tp_size": 1,
+        "dcp_size": 1,
+        "pp_size": 1,
+        "remote_num_tokens": num_tokens,
+        "remote_blocks_expiry_time": expiry_time,
+        "remote_registration_generation": 1,
+        "transfer_mode": "pull",
+    }
+    if cached_tokens is not None:
+        handle["remote_prefill_cached_tokens"] = cached_tokens
+    return handle

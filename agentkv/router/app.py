@@ -19,14 +19,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import httpx
-import orjson
 from prometheus_client import Counter
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from agentkv.protocol import error_body
+from agentkv.protocol.http import error_response, json_object
 from agentkv.router.config import RouterConfig
 from agentkv.router.guard import GuardedStore
 from agentkv.router.http import TransportError
@@ -54,22 +53,13 @@ log = logging.getLogger("agentkv.router")
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-def _error(
-    status: int, message: str, param: str | None = None, *, close: bool = False
-) -> JSONResponse:
-    headers = {"connection": "close"} if close else None
-    return JSONResponse(
-        error_body(status, message, param=param), status_code=status, headers=headers
-    )
-
-
 def _guard(metrics: RouterMetrics, aborts: Counter, fn: Handler) -> Handler:
     async def handler(request: Request) -> Response:
         try:
             return await fn(request)
         except RouterError as exc:
             metrics.failed.labels(str(exc.status)).inc()
-            return _error(exc.status, exc.message, exc.param, close=exc.close)
+            return error_response(exc.status, exc.message, exc.param, close=exc.close)
         except ClientDisconnect:
             # the client hung up before its request was in: nothing to answer, nothing failed
             aborts.labels("upload").inc()
@@ -81,7 +71,7 @@ def _guard(metrics: RouterMetrics, aborts: Counter, fn: Handler) -> Handler:
         except Exception:
             log.exception("router failure")
             metrics.failed.labels("500").inc()
-            return _error(500, "Internal router error.")
+            return error_response(500, "Internal router error.")
 
     return handler
 
@@ -295,12 +285,9 @@ def create_app(
 async def _json_object(request: Request) -> dict[str, Any]:
     raw = await read_body(request, 1 << 20)
     try:
-        body = orjson.loads(raw or b"{}")
-    except orjson.JSONDecodeError as exc:
-        raise RouterError(400, f"Invalid JSON body: {exc}") from exc
-    if not isinstance(body, dict):
-        raise RouterError(400, "The request body must be a JSON object.")
-    return body
+        return json_object(raw or b"{}")
+    except ValueError as exc:
+        raise RouterError(400, str(exc)) from exc
 
 
 def kv_event_indexes(

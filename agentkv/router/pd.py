@@ -37,30 +37,25 @@ from pydantic import ValidationError
 from starlette.responses import Response, StreamingResponse
 
 from agentkv.protocol import (
-    HEADER_DECISION,
-    HEADER_ESTIMATED,
-    HEADER_LOCAL_PREFIX_TOKENS,
-    HEADER_REUSED_TOKENS,
-    HEADER_SIM_MODEL_TTFT_MS,
-    HEADER_SIM_WRONG_KV_TOKENS,
-    HEADER_TRIM_CAUSE,
-    HEADER_VERIFIED_PREFIX_TOKENS,
     KVTransferParams,
 )
+from agentkv.protocol import kv_transfer as kvt
+from agentkv.protocol.http import ORJSONResponse
 from agentkv.router.config import RouterConfig
 from agentkv.router.guard import GuardedStore
 from agentkv.router.http import Timeout, TransportError
 from agentkv.router.leases import Leases, MemoryLeases
 from agentkv.router.logs import safe
 from agentkv.router.metrics import RouterMetrics
+from agentkv.router.receipt import Receipt, account, sim_receipt
 from agentkv.router.relay import Relay, StreamOutcome
 from agentkv.router.request import ClientRequest, RouterError
 from agentkv.router.retention import Retention
-from agentkv.router.sse import Captured, ORJSONResponse, clean_response, synthesize_stream
+from agentkv.router.sse import Captured, clean_response, synthesize_stream
 from agentkv.router.store import StoredHandle, StoreKey
 from agentkv.router.tracing import trace_headers
-from agentkv.router.upstream import Engine, EnginePool, pick_decode, pick_prefill
-from agentkv.router.verify import Plan, PromptHashes, hash_root, held_record, plan_reuse
+from agentkv.router.upstream import EnginePool, Upstream, pick_decode, pick_prefill
+from agentkv.router.verify import PromptHashes, ReusePlan, hash_root, held_record, plan_reuse
 
 __all__ = ["LocalPrefix", "Receipt", "Router", "UpstreamError"]
 
@@ -83,38 +78,10 @@ class LocalPrefix(Protocol):
     def local_prefix_tokens(self, prompt_ids: Sequence[int], cache_salt: str | None) -> int: ...
 
 
-@dataclass(frozen=True)
-class Receipt:
-    """What the turn really did, for the client's headers and the metrics."""
-
-    decision: str
-    reused: int
-    """M: tokens P reads from D."""
-    verified: int
-    """C."""
-    local: int | None
-    """L (None: unknown, P's KV events are off)."""
-    cause: str | None
-
-    def headers(self) -> dict[str, str]:
-        out = {
-            HEADER_DECISION: self.decision,
-            HEADER_REUSED_TOKENS: str(self.reused),
-            HEADER_VERIFIED_PREFIX_TOKENS: str(self.verified),
-        }
-        if self.local is None:
-            out[HEADER_ESTIMATED] = "1"
-        else:
-            out[HEADER_LOCAL_PREFIX_TOKENS] = str(self.local)
-        if self.cause:
-            out[HEADER_TRIM_CAUSE] = self.cause
-        return out
-
-
 @dataclass
 class _Prefilled:
     params: dict[str, Any]
-    engine: Engine
+    engine: Upstream
     receipt: Receipt
     sim_headers: dict[str, str] = field(default_factory=dict)
     """P's simulator receipt headers (agentkv's engine simulator only)."""
@@ -124,42 +91,17 @@ class _Prefilled:
 class _Attempt:
     """The plan as P's attempts change it (a handle lost to a failed read is dropped from it)."""
 
-    plan: Plan
+    plan: ReusePlan
     key: StoreKey | None
 
 
-def _sim_receipt(prefill: Mapping[str, str], decode: Mapping[str, str]) -> dict[str, str]:
-    """The turn's simulator receipt from P's and D's (absent with real vLLM): the modelled TTFT
-    is P's plus D's, the wrong-KV tokens the larger count (D's wrong tokens are those it pulled
-    from a P that read wrong KV, plus its own poisoned prefix cache)."""
-    out: dict[str, str] = {}
-    ttft = [
-        float(h[HEADER_SIM_MODEL_TTFT_MS])
-        for h in (prefill, decode)
-        if HEADER_SIM_MODEL_TTFT_MS in h
-    ]
-    if ttft:
-        out[HEADER_SIM_MODEL_TTFT_MS] = f"{sum(ttft):.3f}"
-    wrong = [
-        int(h[HEADER_SIM_WRONG_KV_TOKENS])
-        for h in (prefill, decode)
-        if HEADER_SIM_WRONG_KV_TOKENS in h
-    ]
-    if wrong:
-        out[HEADER_SIM_WRONG_KV_TOKENS] = str(max(wrong))
-    return out
-
-
-def _reachable(params: dict[str, Any], engine: Engine) -> dict[str, Any]:
-    """The handle with a ``remote_host`` its reader can reach."""
-    out = dict(params)
+def _reachable(params: dict[str, Any], engine: Upstream) -> dict[str, Any]:
+    """The handle with an owner address its reader can reach."""
     host = engine.backend.side_channel_host
-    if host is None and str(out.get("remote_host") or "") in _LOCAL_HOSTS:
+    if host is None and kvt.owner_host(params) in _LOCAL_HOSTS:
         url_host = urlsplit(engine.url).hostname or ""
         host = url_host if url_host not in _LOCAL_HOSTS else None
-    if host:
-        out["remote_host"] = host
-    return out
+    return kvt.with_owner_host(params, host) if host else dict(params)
 
 
 def _cap_local(local: int, n: int, block_size: int) -> int:
@@ -206,7 +148,7 @@ class Router:
             await asyncio.gather(*self._background, return_exceptions=True)
         await self.relay.aclose()
 
-    def _drop_handles_of(self, engine: Engine) -> None:
+    def _drop_handles_of(self, engine: Upstream) -> None:
         async def drop() -> None:
             n = await self.store.drop_decode(engine.url)
             if n:
@@ -298,7 +240,7 @@ class Router:
     # -- 3. prefill --------------------------------------------------------------------------
     def _choose_prefill(
         self, req: ClientRequest, ids: list[int], need_bidirectional: bool
-    ) -> tuple[Engine | None, int | None]:
+    ) -> tuple[Upstream | None, int | None]:
         """(P, L): with KV events, the P with the longest local prefix (ties: affinity, load)."""
         preferred = pick_prefill(
             self.pool.prefill,
@@ -310,7 +252,7 @@ class Router:
             return preferred, None
         bs = self.config.block_size
 
-        def local(e: Engine) -> int:
+        def local(e: Upstream) -> int:
             index = self.local_prefix[e.url]
             return _cap_local(index.local_prefix_tokens(ids, req.cache_salt), len(ids), bs)
 
@@ -329,7 +271,7 @@ class Router:
                 best, best_local = e, n
         return best, best_local
 
-    def _covered_locally(self, plan: Plan, n: int, local: int | None) -> bool:
+    def _covered_locally(self, plan: ReusePlan, n: int, local: int | None) -> bool:
         """A partly verified handle whose verified part P holds itself (M below threshold)."""
         if plan.params is None or plan.release or plan.taken is None or local is None:
             return False
@@ -342,7 +284,7 @@ class Router:
         threshold = self.config.kv_recompute_threshold
         return m > 0 and not (threshold > 0 and m < threshold)
 
-    def _receipt(self, plan: Plan, n: int, local: int | None) -> Receipt:
+    def _receipt(self, plan: ReusePlan, n: int, local: int | None) -> Receipt:
         """M = max(0, min(C, N) − L), zero when below P's threshold (P then only notifies D)."""
         if plan.params is None or plan.release:
             return Receipt(plan.decision, 0, plan.verified_tokens, local, plan.cause)
@@ -430,7 +372,7 @@ class Router:
                     raise RouterError(
                         502, f"Prefill instance {engine.url} returned no kv_transfer_params."
                     )
-                sim = _sim_receipt(r.headers, {})
+                sim = sim_receipt(r.headers, {})
                 receipt = self._receipt(plan, len(ids), local)
                 return _Prefilled(_reachable(handle, engine), engine, receipt, sim)
             self.metrics.upstream_errors.labels("prefill", str(r.status_code)).inc()
@@ -465,7 +407,9 @@ class Router:
         ) as span:
             return await self._turn(req, span)
 
-    async def _plan(self, req: ClientRequest, key: StoreKey | None, hashes: PromptHashes) -> Plan:
+    async def _plan(
+        self, req: ClientRequest, key: StoreKey | None, hashes: PromptHashes
+    ) -> ReusePlan:
         """Choose and take a handle; a handle another replica took first is skipped."""
         can_pull = any(e.healthy and e.backend.bidirectional for e in self.pool.prefill)
         candidates = await self.store.candidates(key) if key else []
@@ -489,9 +433,9 @@ class Router:
                 self.metrics.handle_age.observe(taken.age_s)
                 return replace(plan, taken=taken)
             candidates = [c for c in candidates if c.handle.id != plan.taken.handle.id]
-        return Plan("miss", None, 0, 0, False)
+        return ReusePlan("miss", None, 0, 0, False)
 
-    async def _restore(self, key: StoreKey | None, plan: Plan) -> None:
+    async def _restore(self, key: StoreKey | None, plan: ReusePlan) -> None:
         """Put an unspent handle back (it keeps its age); a release-only plan releases it."""
         if key is None or plan.taken is None:
             return
@@ -533,66 +477,9 @@ class Router:
             except _BeforeFirstByte:
                 self.metrics.retries.labels("decode_error").inc()
                 continue
-            self._account(req, ids, pre, engine, span, started)
+            account(self.metrics, req, ids, pre.receipt, pre.engine.url, engine.url, span, started)
             return response
         raise RouterError(502, "No decode instance answered.")
-
-    def _account(
-        self,
-        req: ClientRequest,
-        ids: list[int],
-        pre: _Prefilled,
-        engine: Engine,
-        span: trace.Span,
-        started: float,
-    ) -> None:
-        r = pre.receipt
-        self.metrics.requests.labels("chat" if req.chat else "completions", r.decision).inc()
-        self.metrics.reused_tokens.inc(r.reused)
-        self.metrics.verified_tokens.inc(r.verified)
-        self.metrics.prompt_tokens.inc(len(ids))
-        if r.local is None:
-            self.metrics.estimated.inc()
-        else:
-            self.metrics.local_prefix_tokens.inc(r.local)
-        if r.cause:
-            self.metrics.trimmed.labels(r.cause).inc()
-        span.set_attributes(
-            {
-                "agentkv.decision": r.decision,
-                "agentkv.reused_tokens": r.reused,
-                "agentkv.verified_prefix_tokens": r.verified,
-                "agentkv.local_prefix_tokens": -1 if r.local is None else r.local,
-                "agentkv.prompt_tokens": len(ids),
-                "agentkv.prefill.url": pre.engine.url,
-                "agentkv.decode.url": engine.url,
-            }
-        )
-        log.info(
-            "turn conversation=%s tenant=%s epoch=%d decision=%s reused=%d verified=%d local=%s "
-            "prompt_tokens=%d prefill=%s decode=%s ms=%.1f",
-            safe(req.conversation_id),
-            safe(req.tenant),
-            req.epoch,
-            r.decision,
-            r.reused,
-            r.verified,
-            "?" if r.local is None else r.local,
-            len(ids),
-            pre.engine.url,
-            engine.url,
-            (time.perf_counter() - started) * 1000,
-            extra={
-                "conversation_id": safe(req.conversation_id or ""),
-                "tenant": safe(req.tenant),
-                "epoch": req.epoch,
-                "decision": r.decision,
-                "reused": r.reused,
-                "verified": r.verified,
-                "local": r.local,
-                "prompt_tokens": len(ids),
-            },
-        )
 
     # -- 4. decode ----------------------------------------------------------------------------
     async def _decode(
@@ -600,7 +487,7 @@ class Router:
         req: ClientRequest,
         hashes: PromptHashes,
         pre: _Prefilled,
-        engine: Engine,
+        engine: Upstream,
         key: StoreKey | None,
         started: float,
     ) -> Response:
@@ -644,7 +531,7 @@ class Router:
             raise UpstreamError(upstream.status_code, content)
         self.metrics.d_first_byte.observe(time.perf_counter() - t0)
         self.metrics.first_byte.labels(pre.receipt.decision).observe(time.perf_counter() - started)
-        headers.update(_sim_receipt(pre.sim_headers, upstream.headers))
+        headers.update(sim_receipt(pre.sim_headers, upstream.headers))
         if not relay:
             try:
                 data = orjson.loads(await upstream.aread())
@@ -707,7 +594,7 @@ class Router:
         key: StoreKey | None,
         prompt: PromptHashes,
         captured: Captured,
-        engine: Engine,
+        engine: Upstream,
     ) -> None:
         handle = captured.handle
         try:
@@ -715,9 +602,9 @@ class Router:
         except ValidationError:
             log.warning("decode %s returned a handle of an unknown shape: not kept", engine.url)
             return
-        if handle is None or parsed is None or not parsed.remote_block_ids:
+        if handle is None or parsed is None or not parsed.has_blocks:
             return
-        num = parsed.remote_num_tokens or 0
+        num = parsed.num_tokens
         bs = self.config.block_size
         hashes, tail = held_record(captured.output_ids, num, prompt)
         stored = StoredHandle(

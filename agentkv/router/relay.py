@@ -20,8 +20,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from agentkv.protocol import error_body
+from agentkv.protocol.http import sse
 from agentkv.router.http import StreamReply, TransportError
-from agentkv.router.sse import Captured, EventRelay, sse
+from agentkv.router.sse import Captured, EventRelay
 
 __all__ = ["Relay", "StreamOutcome"]
 

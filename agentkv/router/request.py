@@ -14,7 +14,6 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.requests import Request
 
@@ -30,6 +29,7 @@ from agentkv.protocol import (
     HEADER_LEASE,
     HEADER_SESSION_ID,
 )
+from agentkv.protocol.http import json_object
 from agentkv.router.config import RouterConfig
 
 __all__ = [
@@ -298,11 +298,9 @@ def parse_request(
         raise RouterError(413, f"Request body larger than {config.max_body_bytes} bytes.")
     tenant, salt = tenant_for(config, headers.get("authorization"))
     try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise RouterError(400, f"Invalid JSON body: {exc}") from exc
-    if not isinstance(body, dict):
-        raise RouterError(400, "The request body must be a JSON object.")
+        body = json_object(raw)
+    except ValueError as exc:
+        raise RouterError(400, str(exc)) from exc
     try:
         model = (_Chat if chat else _Completion).model_validate(body)
     except ValidationError as exc:

@@ -25,7 +25,7 @@ from agentkv.router.http import TransportError
 from agentkv.router.leases import Leases
 from agentkv.router.metrics import RouterMetrics
 from agentkv.router.store import StoredHandle, StoreKey
-from agentkv.router.upstream import Engine
+from agentkv.router.upstream import Upstream
 
 __all__ = ["Retention", "kv_usage"]
 
@@ -56,7 +56,7 @@ class Retention:
         config: RouterConfig,
         store: GuardedStore,
         leases: Leases,
-        decode: list[Engine],
+        decode: list[Upstream],
         release: Release,
         metrics: RouterMetrics,
     ) -> None:
@@ -105,7 +105,7 @@ class Retention:
             log.info("released %d handles of %d lapsed leases", released, len(keys))
         return released
 
-    async def relieve(self, engine: Engine) -> int:
+    async def relieve(self, engine: Upstream) -> int:
         """One pressure check of one D; how many handles were released."""
         try:
             r = await engine.health.get("/metrics", timeout=5)
@@ -132,7 +132,7 @@ class Retention:
             await asyncio.sleep(self.config.lease_check_interval_s)
             await self.reap_leases()
 
-    async def _pressure_forever(self, engine: Engine) -> None:
+    async def _pressure_forever(self, engine: Upstream) -> None:
         while True:
             await asyncio.sleep(self.config.health_interval_s)
             with contextlib.suppress(Exception):

@@ -22,15 +22,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from starlette.responses import Response
+
+from agentkv.protocol.http import sse
 
 __all__ = [
     "Captured",
     "EventRelay",
-    "ORJSONResponse",
     "clean_response",
     "rewrite_chunk",
-    "sse",
     "synthesize_stream",
 ]
 
@@ -40,20 +39,6 @@ value is impossible (its quotes would be escaped); a spurious one only costs a p
 _IDS = re.compile(rb'([{,]\s*)"((?:prompt_)?token_ids)"(\s*:\s*)(\[[^\]]*\])')
 """A token-id list, at any depth (vLLM puts them on the chunk and on its choices)."""
 _DONE = b"data: [DONE]"
-
-
-class ORJSONResponse(Response):
-    """A JSON response encoded by orjson (Starlette's ``JSONResponse`` uses stdlib json)."""
-
-    media_type = "application/json"
-
-    def render(self, content: Any) -> bytes:
-        return orjson.dumps(content)
-
-
-def sse(data: dict[str, Any] | str) -> bytes:
-    payload = data.encode() if isinstance(data, str) else orjson.dumps(data)
-    return b"data: " + payload + b"\n\n"
 
 
 @dataclass

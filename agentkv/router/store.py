@@ -34,6 +34,8 @@ from typing import Any, Protocol, TypeGuard
 
 import orjson
 
+from agentkv.protocol.kv_transfer import handle_key
+
 __all__ = [
     "HandleStore",
     "MemoryStore",
@@ -64,7 +66,7 @@ class StoredHandle:
     tail_tokens: list[int]
     """Token ids D holds after its last full block (fewer than ``block_size``)."""
     num_tokens: int
-    """``remote_num_tokens``."""
+    """The tokens D's blocks hold (the handle's token count)."""
     block_size: int
     epoch: int
     decode_url: str
@@ -76,8 +78,7 @@ class StoredHandle:
     @property
     def id(self) -> str:
         """Stable id of this handle within its conversation (D's request id is unique)."""
-        p = self.params
-        seed = f"{self.decode_url}|{p.get('remote_engine_id')}|{p.get('remote_request_id')}"
+        seed = f"{self.decode_url}|{handle_key(self.params)}"
         return hashlib.blake2b(seed.encode(), digest_size=8).hexdigest()
 
     def to_json(self) -> bytes:

@@ -23,13 +23,13 @@ import httpx
 from agentkv.router.config import Backend, RouterConfig
 from agentkv.router.http import AiohttpClient, EngineClient, HttpxClient, TransportError
 
-__all__ = ["Engine", "EnginePool", "pick_decode", "pick_prefill"]
+__all__ = ["EnginePool", "Upstream", "pick_decode", "pick_prefill"]
 
 log = logging.getLogger("agentkv.router")
 
 
 @dataclass(eq=False)
-class Engine:
+class Upstream:
     """One instance and what the router knows about it."""
 
     role: str
@@ -42,7 +42,7 @@ class Engine:
     failures: int = 0
     outstanding_tokens: int = 0
     outstanding_requests: int = 0
-    on_eject: list[Callable[[Engine], None]] = field(default_factory=list)
+    on_eject: list[Callable[[Upstream], None]] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -70,8 +70,8 @@ def _score(key: str, url: str) -> int:
 
 
 def pick_prefill(
-    engines: Sequence[Engine], key: str | None, *, cap_tokens: int, need_bidirectional: bool
-) -> Engine | None:
+    engines: Sequence[Upstream], key: str | None, *, cap_tokens: int, need_bidirectional: bool
+) -> Upstream | None:
     """Rendezvous-hash ``key`` over healthy P; the least-loaded one when that is over its cap.
     When every P is ejected, they are all tried anyway (an overloaded instance fails its health
     checks; answering slowly beats answering 503)."""
@@ -86,7 +86,9 @@ def pick_prefill(
     return preferred if preferred.outstanding_tokens <= cap_tokens else least
 
 
-def pick_decode(engines: Sequence[Engine], holder: str | None, *, slack: int = 2) -> Engine | None:
+def pick_decode(
+    engines: Sequence[Upstream], holder: str | None, *, slack: int = 2
+) -> Upstream | None:
     """The least busy healthy D; the one holding the conversation's KV unless much busier
     (every D when all are ejected, as for P)."""
     pool = [e for e in engines if e.healthy] or list(engines)
@@ -129,18 +131,18 @@ class EnginePool:
             )
 
         self.prefill = [
-            Engine("prefill", b, client(b), client(b, health=True)) for b in config.prefill
+            Upstream("prefill", b, client(b), client(b, health=True)) for b in config.prefill
         ]
         self.decode = [
-            Engine("decode", b, client(b), client(b, health=True)) for b in config.decode
+            Upstream("decode", b, client(b), client(b, health=True)) for b in config.decode
         ]
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
-    def all(self) -> list[Engine]:
+    def all(self) -> list[Upstream]:
         return [*self.prefill, *self.decode]
 
-    async def check(self, engine: Engine) -> bool:
+    async def check(self, engine: Upstream) -> bool:
         try:
             r = await engine.health.get(
                 "/health", timeout=min(5.0, self.config.health_interval_s * 2)
@@ -154,7 +156,7 @@ class EnginePool:
             engine.failed(1 if not engine.healthy else self.config.eject_after_failures)
         return good
 
-    async def _watch(self, engine: Engine) -> None:
+    async def _watch(self, engine: Upstream) -> None:
         while True:
             await self.check(engine)
             await asyncio.sleep(self.config.health_interval_s)

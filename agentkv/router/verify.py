@@ -24,8 +24,8 @@ from agentkv.protocol import KVTransferParams
 from agentkv.router.store import StoredHandle, Taken
 
 __all__ = [
-    "Plan",
     "PromptHashes",
+    "ReusePlan",
     "chain_hashes",
     "hash_root",
     "held_record",
@@ -113,7 +113,7 @@ def verified_tokens(
 
 
 @dataclass(frozen=True)
-class Plan:
+class ReusePlan:
     """What to attach to P's request for one turn."""
 
     decision: Decision
@@ -132,9 +132,9 @@ class Plan:
     expired: tuple[Taken, ...] = ()
     """Candidates too close to D's TTL: removed from the store without a release."""
 
-    def without_handle(self, decision: Decision = "recompute") -> Plan:
+    def without_handle(self, decision: Decision = "recompute") -> ReusePlan:
         """The same turn with nothing attached (a retry without the handle)."""
-        return Plan(decision, None, 0, self.verified_tokens, False, None, self.cause)
+        return ReusePlan(decision, None, 0, self.verified_tokens, False, None, self.cause)
 
 
 def plan_reuse(
@@ -146,24 +146,24 @@ def plan_reuse(
     threshold: int,
     can_pull: bool,
     verify: bool = True,
-) -> Plan:
+) -> ReusePlan:
     """The reuse decision for one turn (DESIGN.md, "Verified reuse"): the candidate with the
     longest verified prefix, trimmed to it; ``verify=False`` is vLLM's example proxy (attach the
     newest handle without checking it)."""
     live = [c for c in candidates if c.age_s < router_ttl_s]
     expired = tuple(c for c in candidates if c.age_s >= router_ttl_s)
     if not candidates:
-        return Plan("miss", None, 0, 0, False)
+        return ReusePlan("miss", None, 0, 0, False)
     if not live:
         # Too close to D's TTL: an expired read hangs real vLLM; D reaps the blocks itself.
-        return Plan("expired", None, 0, 0, False, expired=expired)
+        return ReusePlan("expired", None, 0, 0, False, expired=expired)
     if not can_pull:
-        return Plan("local", None, 0, 0, False, expired=expired)
+        return ReusePlan("local", None, 0, 0, False, expired=expired)
     if not verify:
         newest = live[0]
         params = _as_params(newest.handle.params).for_reading()
         n = newest.handle.num_tokens
-        return Plan("pull", params, n, 0, False, newest, expired=expired)
+        return ReusePlan("pull", params, n, 0, False, newest, expired=expired)
     scored = [(verified_tokens(c.handle, prompt), i, c) for i, c in enumerate(live)]
     verified, _, best = max(scored, key=lambda s: (s[0], -s[1]))
     handle = best.handle
@@ -176,19 +176,19 @@ def plan_reuse(
         params = _as_params(handle.params).for_reading()
         if verified < handle.num_tokens:
             params = params.trimmed(k, handle.block_size)
-        return Plan("pull", params, attached, verified, False, best, cause, expired)
+        return ReusePlan("pull", params, attached, verified, False, best, cause, expired)
     release = _as_params(handle.params).for_reading().release_only()
     if verified >= handle.num_tokens:
         # All of it is a prefix of this prompt, but too little to read: this turn's own handle
         # will hold all of it again, so free D's blocks now
-        return Plan("recompute", release, 0, verified, True, best, None, expired)
+        return ReusePlan("recompute", release, 0, verified, True, best, None, expired)
     if handle.epoch < epoch:
         # The client rewrote history past this handle and too little of it survives: free D's
         # blocks now (a branch that is not this client's would verify more than this)
-        return Plan("stale", release, 0, verified, True, best, "rewrite", expired)
+        return ReusePlan("stale", release, 0, verified, True, best, "rewrite", expired)
     # Nothing here verifies enough: a new branch, or drift. The handles stay for their branches
     # and are released when they are displaced.
-    return Plan("stale", None, 0, verified, False, None, cause, expired)
+    return ReusePlan("stale", None, 0, verified, False, None, cause, expired)
 
 
 def _as_params(raw: dict[str, object]) -> KVTransferParams:

@@ -33,7 +33,7 @@ from rich.table import Table
 
 import agentkv
 from agentkv.procs import ProcessError, free_port_range
-from agentkv.promtext import parse_metrics
+from agentkv.protocol.promtext import parse_metrics
 from agentkv.serve import Deployment, ProfileError, check_runtime, expand, load_profile
 from agentkv.serve.checks import port_free
 from agentkv.serve.ports import engine_ports, with_ports

@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
 from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -32,22 +31,16 @@ from agentkv.protocol import (
     HEADER_REQUEST_ID,
     HEADER_SIM_MODEL_TTFT_MS,
     HEADER_SIM_WRONG_KV_TOKENS,
-    error_body,
 )
+from agentkv.protocol.http import error_response, json_object
 from agentkv.sim.clock import Clock
 from agentkv.sim.config import SimConfig
 from agentkv.sim.costmodel import PRESETS, CostModel, load_cost_file
 from agentkv.sim.engine import Engine, EngineError, Finished, Scheduled
 from agentkv.sim.faults import Faults
 from agentkv.sim.metrics import SimMetrics
-from agentkv.sim.serving import (
-    Plan,
-    Renderer,
-    StreamWriter,
-    full_response,
-    plan_chat,
-    plan_completion,
-)
+from agentkv.sim.responses import StreamWriter, full_response
+from agentkv.sim.serving import RequestPlan, SimRenderer, plan_chat, plan_completion
 from agentkv.sim.transfer import TransferClient
 
 __all__ = ["SimState", "create_app"]
@@ -65,7 +58,7 @@ class SimState:
 
     config: SimConfig
     engine: Engine
-    renderer: Renderer
+    renderer: SimRenderer
     metrics: SimMetrics
     faults: Faults
     trace_context: dict[str, str] = field(default_factory=dict)
@@ -73,21 +66,14 @@ class SimState:
     (empty when it carried none), shown by ``GET /_sim/state``."""
 
 
-def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param=param), status_code=status)
-
-
 async def _json_body(request: Request) -> dict[str, Any]:
     raw = await request.body()
     if len(raw) > MAX_BODY_BYTES:
         raise EngineError(413, "Request body too large.")
     try:
-        data = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise EngineError(400, f"Invalid JSON body: {exc}") from exc
-    if not isinstance(data, dict):
-        raise EngineError(400, "The request body must be a JSON object.")
-    return data
+        return json_object(raw)
+    except ValueError as exc:
+        raise EngineError(400, str(exc)) from exc
 
 
 def create_app(
@@ -131,7 +117,7 @@ def create_app(
         transfer=transfer or TransferClient(),
         vocab_size=tok.vocab_size,
     )
-    state = SimState(cfg, engine, Renderer(cfg, tok, tmpl), metrics, faults or Faults())
+    state = SimState(cfg, engine, SimRenderer(cfg, tok, tmpl), metrics, faults or Faults())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -192,12 +178,12 @@ def _guard(fn: Handler) -> Handler:
             response: Response = await fn(request)
             return response
         except EngineError as exc:
-            return _error(exc.status, exc.message, exc.param)
+            return error_response(exc.status, exc.message, exc.param)
         except (ValueError, TypeError, OverflowError) as exc:
-            return _error(400, str(exc))
+            return error_response(400, str(exc))
         except Exception as exc:
             _log.exception("unexpected error in %s %s", request.method, request.url.path)
-            return _error(500, f"Internal server error: {type(exc).__name__}")
+            return error_response(500, f"Internal server error: {type(exc).__name__}")
 
     return handler
 
@@ -242,8 +228,8 @@ def _generate(state: SimState, *, chat: bool) -> Handler:
 
 
 async def _stream(
-    r: Renderer,
-    plan: Plan,
+    r: SimRenderer,
+    plan: RequestPlan,
     sched: Scheduled,
     events: AsyncIterator[Scheduled | int | Finished],
     with_handle: bool,

@@ -6,8 +6,8 @@ A request goes through the same steps as in vLLM 0.33 (``reference/vllm-protocol
    length (vLLM always computes at least the last prompt token).
 2. **Connector** (``get_num_new_matched_tokens``), driven by the request's
    ``kv_transfer_params``:
-   * ``do_remote_prefill`` (D reading P's prompt KV): pull ``N − L`` tokens;
-   * ``do_remote_decode`` with a complete handle (P reading D's retained KV, bidirectional):
+   * P's handle (D reading P's prompt KV): pull ``N − L`` tokens;
+   * D's complete handle (P reading D's retained KV, bidirectional):
      ``M = max(0, min(C, N) − L)``; ``0 < M < kv_recompute_threshold`` → recompute.
      Whatever the count, a bidirectional P then reads or only notifies, so the owner frees the
      handle's blocks (single use).
@@ -37,7 +37,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentkv.protocol import PULL_FIELDS
+from agentkv.protocol import kv_transfer as kvt
 from agentkv.sim.blocks import (
     Block,
     BlockPool,
@@ -359,13 +359,9 @@ class Engine:
 
         # Connector: how many tokens to pull, from whom, or whom to notify.
         want = 0
-        pull_from_prefill = bool(params and params.get("do_remote_prefill"))
+        pull_from_prefill = bool(params and kvt.is_prefill_handle(params))
         pull_from_decode = (
-            not pull_from_prefill
-            and params is not None
-            and bool(params.get("do_remote_decode"))
-            and bool(params.get("remote_block_ids"))
-            and all(f in params for f in PULL_FIELDS)
+            not pull_from_prefill and params is not None and kvt.can_read_from_decode(params)
         )
         decision = "none"
         if params is not None:
@@ -374,11 +370,10 @@ class Engine:
             assert params is not None
             want = n - local
             decision = "pull" if want > 0 else "notify"
-            params["do_remote_prefill"] = False  # only one transfer per request
+            kvt.mark_read(params)  # only one transfer per request
         elif pull_from_decode:
             assert params is not None
-            remote_tokens = int(params.get("remote_num_tokens") or 0)
-            count = min(remote_tokens, n) - local
+            count = min(kvt.num_tokens(params), n) - local
             threshold = cfg.kv_recompute_threshold
             if count > 0 and not (threshold > 0 and count < threshold):
                 want = count
@@ -393,7 +388,7 @@ class Engine:
                     await self._hang(state)
                 pull_from_decode = False
                 decision = "none"
-            params["_remote_blocks_processed"] = True
+            kvt.mark_processed(params)
 
         # Allocate the rest of the prompt's blocks (waiting for blocks like vLLM's queue).
         need = math.ceil(n / bs) - len(hit)
@@ -472,12 +467,10 @@ class Engine:
 
         Returns (tokens read, modelled transfer seconds, decision)."""
         cfg, bs = self.config, self.config.block_size
-        host = str(params.get("remote_host"))
-        port = int(params.get("remote_port") or 0)
-        remote_id = str(params.get("remote_request_id"))
-        engine_id = str(params.get("remote_engine_id"))
+        owner = kvt.address(params)
+        host, port, remote_id = owner.host, owner.port, owner.request_id
         n_read = math.ceil((local + want) / bs) - local // bs if want > 0 else 0
-        remote_blocks = list((params.get("remote_block_ids") or [[]])[0])
+        remote_blocks = kvt.block_ids(params)
         if n_read == 0:
             try:
                 await self.transfer.notify(host, port, remote_id)
@@ -485,12 +478,13 @@ class Engine:
                 self.metrics.nixl_failed_notifications.inc()
             return 0, 0.0, "notify" if from_decode else "none"
 
-        if from_decode and params.get("remote_blocks_expiry_time") is not None:
+        expiry = kvt.expiry_time(params)
+        if from_decode and expiry is not None:
             try:
-                offset = await self._clock_offset(host, port, engine_id)
+                offset = await self._clock_offset(host, port, owner.engine_id)
             except TransferError:
                 return await self._read_failed(state)
-            deadline = float(params["remote_blocks_expiry_time"]) - offset
+            deadline = expiry - offset
             if self.clock.now() + EXPIRY_SAFETY_MARGIN_S >= deadline:
                 self.metrics.nixl_expired.inc()
                 if cfg.compat == "0.32":
@@ -574,7 +568,7 @@ class Engine:
 
         handle: dict[str, Any] | None = None
         if params:  # vLLM: ``if not params: return False, None``
-            is_prefill_side = bool(params.get("do_remote_decode"))
+            is_prefill_side = kvt.asks_for_handle(params)
             if is_prefill_side or cfg.bidirectional_kv_xfer:
                 now = self.clock.now()
                 ttl = cfg.kv_lease_duration if is_prefill_side else cfg.decoder_kv_blocks_ttl
@@ -585,24 +579,17 @@ class Engine:
                     expires_at=now + ttl,
                     for_next_turn=not is_prefill_side,
                 )
-                handle = {
-                    "do_remote_prefill": is_prefill_side,
-                    "do_remote_decode": not is_prefill_side,
-                    "remote_block_ids": [[b.block_id for b in state.blocks]],
-                    "remote_engine_id": cfg.engine_id,
-                    "remote_request_id": req.request_id,
-                    "remote_host": cfg.side_channel_host,
-                    "remote_port": cfg.advertised_port,
-                    "tp_size": 1,
-                    "dcp_size": 1,
-                    "pp_size": 1,
-                    "remote_num_tokens": num_tokens,
-                    "remote_blocks_expiry_time": None if is_prefill_side else now + ttl,
-                    "remote_registration_generation": 1,
-                    "transfer_mode": "pull",
-                }
-                if is_prefill_side:
-                    handle["remote_prefill_cached_tokens"] = scheduled.cached_tokens
+                handle = kvt.make_handle(
+                    prefill_side=is_prefill_side,
+                    block_ids=[b.block_id for b in state.blocks],
+                    engine_id=cfg.engine_id,
+                    request_id=req.request_id,
+                    host=cfg.side_channel_host,
+                    port=cfg.advertised_port,
+                    num_tokens=num_tokens,
+                    expiry_time=None if is_prefill_side else now + ttl,
+                    cached_tokens=scheduled.cached_tokens if is_prefill_side else None,
+                )
                 state.blocks = []  # now owned by ``retained``
         self.pool.free(state.blocks)
         state.blocks = []

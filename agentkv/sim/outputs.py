@@ -45,7 +45,6 @@ vLLM 0.33 names the reasoning field ``reasoning`` in both the message and the st
 from __future__ import annotations
 
 import json
-import math
 import random
 import re
 from bisect import bisect_left, bisect_right
@@ -54,24 +53,16 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from agentkv.sim.arg_types import fix_arg_types
 
 __all__ = [
-    "HERMES",
-    "QWEN3_CODER",
-    "NativeSyntax",
     "ParsedOutput",
     "ParsedToolCall",
     "ReasoningParser",
-    "ScriptToolCall",
-    "SimScript",
     "ToolChoice",
     "ToolFormat",
-    "generate_text",
     "join_deltas",
-    "native_syntax_for",
     "parse_output",
-    "render_script",
     "stream_deltas",
 ]
 
@@ -395,7 +386,7 @@ def _qwen3_tools(
         if not name:
             continue
         arguments = _qwen3_arguments(slot.args) if slot.args.strip() else "{}"
-        arguments = _fix_arg_types(arguments, name, tools)
+        arguments = fix_arg_types(arguments, name, tools)
         calls.append(
             _Call(name, arguments, content.at[slot.name_at - 1], content.at[slot.end_at - 1])
         )
@@ -409,186 +400,6 @@ def _qwen3_tools(
     if calls:
         text = text.strip()
     return calls, (text if text.text else None)
-
-
-# -- schema typing of qwen3_coder arguments (ParserEngine._fix_arg_types) --------------------
-_TYPE_ALIASES = {
-    "str": "string",
-    "text": "string",
-    "varchar": "string",
-    "char": "string",
-    "enum": "string",
-    "int": "integer",
-    "int32": "integer",
-    "int64": "integer",
-    "uint": "integer",
-    "uint32": "integer",
-    "uint64": "integer",
-    "long": "integer",
-    "short": "integer",
-    "unsigned": "integer",
-    "float": "number",
-    "float32": "number",
-    "float64": "number",
-    "double": "number",
-    "bool": "boolean",
-    "dict": "object",
-    "arr": "array",
-    "list": "array",
-    "sequence": "array",
-}
-_TYPE_PRIORITY = ("null", "integer", "number", "boolean", "object", "array", "string")
-
-
-def _schema_types(schema: object) -> list[str]:
-    """``extract_types_from_schema``."""
-    if not isinstance(schema, Mapping):
-        return ["string"]
-    types: set[str] = set()
-    declared = schema.get("type")
-    if isinstance(declared, str):
-        types.add(declared)
-    elif isinstance(declared, list):
-        types.update(t for t in declared if isinstance(t, str))
-    enum = schema.get("enum")
-    if isinstance(enum, list):
-        for value in enum:
-            if value is None:
-                types.add("null")
-            elif isinstance(value, bool):
-                types.add("boolean")
-            elif isinstance(value, int):
-                types.add("integer")
-            elif isinstance(value, float):
-                types.add("number")
-            elif isinstance(value, str):
-                types.add("string")
-            elif isinstance(value, list):
-                types.add("array")
-            elif isinstance(value, dict):
-                types.add("object")
-    for choice in ("anyOf", "oneOf", "allOf"):
-        options = schema.get(choice)
-        if isinstance(options, list):
-            for option in options:
-                types.update(_schema_types(option))
-    return list(types) if types else ["string"]
-
-
-def _json_finite(value: object) -> bool:
-    try:
-        json.dumps(value, allow_nan=False)
-    except (ValueError, TypeError):
-        return False
-    return True
-
-
-def _coerce(value: str, types: Sequence[str]) -> Any:
-    """``coerce_to_schema_type``: the first type in priority order that ``value`` reads as."""
-    wanted = {_TYPE_ALIASES.get(t.strip().lower(), t.strip().lower()) for t in types}
-    for kind in _TYPE_PRIORITY:
-        if kind not in wanted:
-            continue
-        if kind == "null":
-            if value.lower() == "null":
-                return None
-        elif kind == "string":
-            return value
-        elif kind == "integer":
-            try:
-                return int(value)
-            except ValueError:
-                continue
-        elif kind == "number":
-            try:
-                return int(value)
-            except ValueError:
-                pass
-            try:
-                number = float(value)
-            except ValueError:
-                continue
-            if math.isfinite(number):
-                return number if number != int(number) else int(number)
-        elif kind == "boolean":
-            lowered = value.lower().strip()
-            if lowered in ("true", "1"):
-                return True
-            if lowered in ("false", "0"):
-                return False
-        else:  # object, array
-            try:
-                parsed = json.loads(value)
-            except ValueError:
-                continue
-            if _json_finite(parsed):
-                return parsed
-    try:
-        parsed = json.loads(value)
-    except ValueError:
-        return value
-    return parsed if _json_finite(parsed) else value
-
-
-def _coerce_value(value: Any, schema: Mapping[str, Any]) -> tuple[Any, bool]:
-    if isinstance(value, str):
-        coerced = _coerce(value, _schema_types(schema))
-        return coerced, coerced is not value
-    if isinstance(value, dict):
-        nested = schema.get("properties")
-        if isinstance(nested, Mapping):
-            return value, _coerce_dict(value, nested)
-        return value, False
-    if isinstance(value, list):
-        items = schema.get("items")
-        changed = False
-        if isinstance(items, Mapping):
-            for i, item in enumerate(value):
-                coerced, item_changed = _coerce_value(item, items)
-                if item_changed:
-                    value[i] = coerced
-                    changed = True
-        return value, changed
-    coerced = _coerce(json.dumps(value, ensure_ascii=False), _schema_types(schema))
-    if type(coerced) is not type(value) or coerced != value:
-        return coerced, True
-    return value, False
-
-
-def _coerce_dict(args: dict[str, Any], properties: Mapping[str, Any]) -> bool:
-    changed = False
-    for key, value in args.items():
-        prop = properties.get(key)
-        if not isinstance(prop, Mapping):
-            continue
-        coerced, value_changed = _coerce_value(value, prop)
-        if value_changed:
-            args[key] = coerced
-            changed = True
-    return changed
-
-
-def _tool_properties(tools: Sequence[Mapping[str, Any]], name: str) -> Mapping[str, Any]:
-    """``find_tool_properties`` over chat-completions tools (``{"type": "function", ...}``)."""
-    for tool in tools:
-        function = tool.get("function")
-        if isinstance(function, Mapping) and function.get("name") == name:
-            parameters = function.get("parameters") or {}
-            properties = parameters.get("properties", {}) if isinstance(parameters, Mapping) else {}
-            return properties if isinstance(properties, Mapping) else {}
-    return {}
-
-
-def _fix_arg_types(arguments: str, name: str, tools: Sequence[Mapping[str, Any]] | None) -> str:
-    if not tools:
-        return arguments
-    properties = _tool_properties(tools, name)
-    args = json.loads(arguments)
-    if not properties or not isinstance(args, dict):
-        return arguments
-    if _coerce_dict(args, properties):
-        return json.dumps(args, ensure_ascii=False)
-    return arguments
 
 
 # -- parsing ---------------------------------------------------------------------------------
@@ -781,138 +592,3 @@ def join_deltas(deltas: Iterable[Mapping[str, Any] | None]) -> ParsedOutput:
         content=None if content is None else "".join(content),
         tool_calls=[ParsedToolCall(**calls[i]) for i in sorted(calls)],
     )
-
-
-# -- generated text --------------------------------------------------------------------------
-_WORDS = (
-    "the", "a", "model", "agent", "cache", "token", "turn", "prompt", "answer", "question",
-    "reads", "writes", "keeps", "moves", "checks", "finds", "returns", "sends", "needs", "uses",
-    "quickly", "again", "later", "often", "here", "there", "now", "then", "only", "still",
-    "small", "large", "next", "last", "first", "whole", "same", "new", "old", "warm",
-    "block", "prefix", "server", "request", "reply", "tool", "result", "file", "plan", "step",
-    "of", "to", "in", "on", "with", "from", "and", "but", "so", "for",
-)  # fmt: skip
-
-
-def generate_text(seed: int, max_chars: int) -> str:
-    """Plausible English-ish sentences from ``random.Random(seed)``, at most ``max_chars``
-    characters; the same seed always gives the same text, and a longer limit extends it."""
-    rng = random.Random(seed)
-    out = ""
-    while True:
-        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 12))]
-        words[0] = words[0].capitalize()
-        words[-1] += rng.choice((".", ".", ".", "!", "?"))
-        for word in words:
-            candidate = f"{out} {word}" if out else word
-            if len(candidate) > max_chars:
-                return out
-            out = candidate
-
-
-# -- scripted output -------------------------------------------------------------------------
-class ScriptToolCall(BaseModel):
-    """One tool call of a :class:`SimScript`."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: str
-    arguments: dict[str, Any] | str = Field(default_factory=dict)
-    """An object, or the raw argument text inserted verbatim (may be broken on purpose):
-    the JSON after ``"arguments": `` for hermes, the body inside ``<function=NAME>\\n`` …
-    ``</function>`` for qwen3_coder."""
-
-
-class SimScript(BaseModel):
-    """Exactly what the simulated model emits (request field ``agentkv_sim``).
-
-    Either ``text`` (raw output in the template's native syntax) or the structured fields,
-    which :func:`render_script` turns into raw text. The output is the same whatever
-    ``max_tokens`` says; ``finish_reason`` (default: the engine's) is what the engine reports.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    text: str | None = None
-    reasoning: str | None = None
-    content: str | None = None
-    tool_calls: list[ScriptToolCall] | None = None
-    finish_reason: Literal["stop", "length"] | None = None
-
-    @model_validator(mode="after")
-    def _text_or_fields(self) -> SimScript:
-        if self.text is not None and (
-            self.reasoning is not None or self.content is not None or self.tool_calls
-        ):
-            raise ValueError("give either `text` or `reasoning`/`content`/`tool_calls`")
-        return self
-
-
-@dataclass(frozen=True)
-class NativeSyntax:
-    """How a model family writes reasoning and tool calls."""
-
-    tool_format: Literal["hermes", "qwen3_coder"]
-    think_start: str = THINK_START
-    think_end: str = THINK_END
-
-
-HERMES = NativeSyntax("hermes")
-"""Qwen3 and QwQ: ``<tool_call>\\n{"name": …, "arguments": {…}}\\n</tool_call>``."""
-QWEN3_CODER = NativeSyntax("qwen3_coder")
-"""Qwen3-Coder: ``<tool_call>\\n<function=NAME>\\n<parameter=K>\\nV\\n</parameter>\\n…``."""
-
-
-def native_syntax_for(template_text: str) -> NativeSyntax:
-    """The family a chat template (its name or source) writes: qwen3_coder XML if it mentions
-    ``<function=`` or ``<parameter=``, else hermes JSON."""
-    if FUNC_PREFIX in template_text or PARAM_START in template_text:
-        return QWEN3_CODER
-    return HERMES
-
-
-def _render_call(call: ScriptToolCall, native: NativeSyntax) -> str:
-    if native.tool_format == "hermes":
-        if isinstance(call.arguments, str):
-            body = f'{{"name": {json.dumps(call.name, ensure_ascii=False)}, '
-            body += f'"arguments": {call.arguments}}}'
-        else:
-            body = json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False)
-        return f"{TOOL_CALL_START}\n{body}\n{TOOL_CALL_END}"
-    if isinstance(call.arguments, str):
-        params = call.arguments
-    else:
-        params = "".join(
-            f"{PARAM_START}{key}>\n"
-            f"{value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)}"
-            f"\n{PARAM_END}\n"
-            for key, value in call.arguments.items()
-        )
-    return f"{TOOL_CALL_START}\n{FUNC_PREFIX}{call.name}>\n{params}{FUNC_END}\n{TOOL_CALL_END}"
-
-
-def render_script(
-    script: SimScript,
-    *,
-    native: NativeSyntax,
-    thinking: bool = True,
-    prompt_ends_in_think: bool = False,
-) -> str:
-    """The raw text the model emits for ``script``.
-
-    ``text`` is returned as is. Otherwise: the reasoning block when ``thinking`` (empty when
-    ``reasoning`` is None, so that vLLM's qwen3 parser does not read the content as
-    reasoning; without its ``<think>`` when the prompt already ends with one), then
-    ``content``, then the tool calls, one per line. No whitespace is added around reasoning
-    or content, so ``parse_output`` gives them back exactly. With ``thinking`` off, a
-    ``reasoning`` is still written as a think block, which vLLM then returns as content.
-    """
-    if script.text is not None:
-        return script.text
-    out = ""
-    if thinking or script.reasoning is not None:
-        start = "" if thinking and prompt_ends_in_think else native.think_start
-        out = f"{start}{script.reasoning or ''}{native.think_end}"
-    out += script.content or ""
-    out += "\n".join(_render_call(call, native) for call in script.tool_calls or [])
-    return out

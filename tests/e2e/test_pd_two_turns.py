@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from agentkv.promtext import parse_metrics
+from agentkv.protocol.promtext import parse_metrics
 from agentkv.sim.launch import SimProcess, start_sims
 
 pytestmark = pytest.mark.e2e

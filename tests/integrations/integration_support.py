@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
@@ -18,6 +19,8 @@ ADAPTER_SOURCES = [
     if (folder / "pyproject.toml").is_file()
 ]
 MODEL = "agentkv-sim"
+# .ci/run's lower-bounds stage: the frameworks at their declared floors (.ci/lower-bounds.txt)
+LOWER_BOUNDS = os.environ.get("AGENTKV_LOWER_BOUNDS") == "1"
 # P without a local prefix cache: every reused token is a verified read of D's KV.
 NO_P_CACHE = (("--no-prefix-caching",),)
 

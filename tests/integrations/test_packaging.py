@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 from integration_support import ROOT
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 try:
     import tomllib
@@ -93,6 +95,49 @@ def test_package_metadata_and_public_name(name: str) -> None:
     imported = importlib.import_module(adapter.module)
     assert adapter.cls in imported.__all__
     assert imported.__version__ == project["version"]
+
+
+def _floor_pins() -> dict[str, str]:
+    """``.ci/lower-bounds.txt``: the frameworks' floors, ``name==version`` a line."""
+    pins = {}
+    for line in (ROOT / ".ci" / "lower-bounds.txt").read_text(encoding="utf-8").splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, _, version = line.partition("==")
+            pins[canonicalize_name(name)] = version.strip()
+    return pins
+
+
+def test_lower_bounds_file_pins_every_declared_floor() -> None:
+    """Each framework requirement in pyproject.toml's extras and the adapters' pyproject.toml has
+    a ``>=`` floor, the same everywhere, and ``.ci/lower-bounds.txt`` pins exactly those floors
+    (.ci/run installs and tests them): neither can move without the other."""
+    pins = _floor_pins()
+    main = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = [
+        r
+        for extra in ("langchain", "llamaindex", "openai-agents")
+        for r in main["optional-dependencies"][extra]
+    ]
+    for name in sorted(ADAPTERS):
+        project = tomllib.loads((ROOT / "integrations" / name / "pyproject.toml").read_text())[
+            "project"
+        ]
+        declared += project["dependencies"]
+        declared += [
+            r for extra in project.get("optional-dependencies", {}).values() for r in extra
+        ]
+    framework_names = set(pins) | {canonicalize_name(a.framework) for a in ADAPTERS.values()}
+    dev = [Requirement(r) for r in main["optional-dependencies"]["dev"]]
+    floors: dict[str, set[str]] = {}
+    for req in [Requirement(r) for r in declared] + dev:
+        name = canonicalize_name(req.name)
+        if name not in framework_names:
+            continue
+        lower = [s.version for s in req.specifier if s.operator == ">="]
+        assert len(lower) == 1, f"{req}: one >= floor"
+        floors.setdefault(name, set()).add(lower[0])
+    assert {n: sorted(v) for n, v in floors.items()} == {n: [v] for n, v in pins.items()}
 
 
 def test_llama_index_namespace_layout() -> None:

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 
 from agentkv.procs import Process
-from agentkv.promtext import parse_metrics
+from agentkv.protocol.promtext import parse_metrics
 from agentkv.serve.supervisor import start_router as serve_router
 from agentkv.sim.launch import SimProcess, start_sims
 

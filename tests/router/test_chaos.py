@@ -56,7 +56,7 @@ from hypothesis.stateful import (
 )
 from stack import Stack, stack
 
-from agentkv.promtext import parse_metrics
+from agentkv.protocol.promtext import parse_metrics
 from agentkv.sim.launch import SimProcess, start_sims
 
 pytestmark = pytest.mark.e2e

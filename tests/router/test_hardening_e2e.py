@@ -21,7 +21,7 @@ from stack import start_router as stack_router
 
 import agentkv
 from agentkv import procs
-from agentkv.promtext import parse_metrics
+from agentkv.protocol.promtext import parse_metrics
 from agentkv.sim.launch import free_port
 
 pytestmark = pytest.mark.e2e

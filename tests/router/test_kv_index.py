@@ -13,7 +13,6 @@ import httpx
 import pytest
 import zmq
 
-from agentkv.promtext import parse_metrics
 from agentkv.protocol.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -21,6 +20,7 @@ from agentkv.protocol.kv_events import (
     KVEventBatch,
     KVEventsConfig,
 )
+from agentkv.protocol.promtext import parse_metrics
 from agentkv.router.kv_index import KVEventSubscriber, PrefixIndex, subscriber_endpoint
 from agentkv.router.verify import chain_hashes
 from agentkv.sim.kv_events import ZmqEventPublisher

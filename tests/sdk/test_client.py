@@ -22,9 +22,14 @@ TOOLS = [
 ]
 
 
+SLEPT: list[float] = []
+NO_SLEEP = agentkv.RetryPolicy(retries=2, sleep=SLEPT.append)
+"""Retries that record their waits instead of sleeping."""
+
+
 @pytest.fixture
 def client(sim: SimProcess) -> Iterator[agentkv.Client]:
-    with agentkv.Client(base_url=f"{sim.url}/v1", api_key="k", retries=2) as c:
+    with agentkv.Client(base_url=f"{sim.url}/v1", api_key="k", retries=NO_SLEEP) as c:
         yield c
 
 
@@ -134,6 +139,16 @@ def test_retries_503_without_double_append(client, faults):
     assert [m["role"] for m in conv.messages] == ["user", "assistant"]
 
 
+def test_retry_waits_are_jittered_in_proportion(client, faults):
+    conv = client.conversation(model="sim")
+    conv.add_user("hi")
+    SLEPT.clear()
+    faults.post("/_sim/faults", json={"fail_next": 2, "fail_status": 503})
+    conv.create(max_tokens=4)
+    first, second = SLEPT
+    assert 0.05 <= first < 0.15 and 0.1 <= second < 0.3
+
+
 def test_client_errors_pass_through_and_change_nothing(client, faults):
     conv = client.conversation(model="sim")
     conv.add_user("hi")
@@ -183,6 +198,37 @@ def test_wrap_an_existing_openai_client(sim):
         conv.create(max_tokens=4)
         assert conv.last_receipt.completion_tokens == 4
     oc.close()
+
+
+def test_stream_close_and_with_record_nothing_unfinished(client):
+    conv = client.conversation(model="sim")
+    conv.add_user("hi")
+    with conv.create(max_tokens=20, stream=True) as stream:
+        next(iter(stream))
+    assert stream.receipt is None and len(conv.messages) == 1 and conv.token_ids is None
+    with conv.create(max_tokens=4, stream=True) as stream:
+        list(stream)
+    assert stream.receipt is not None and len(conv.messages) == 2
+
+
+@pytest.mark.anyio
+async def test_async_stream_aclose_and_async_with(sim):
+    async def no_sleep(_s: float) -> None:
+        return None
+
+    policy = agentkv.RetryPolicy(retries=1, async_sleep=no_sleep)
+    async with agentkv.AsyncClient(base_url=f"{sim.url}/v1", api_key="k", retries=policy) as c:
+        conv = c.conversation(model="sim")
+        conv.add_user("hi")
+        async with await conv.create(max_tokens=20, stream=True) as stream:
+            async for _ in stream:
+                break
+        assert stream.receipt is None and conv.token_ids is None
+        stream = await conv.create(max_tokens=4, stream=True)
+        async for _ in stream:
+            pass
+        await stream.aclose()
+        assert stream.receipt is not None and len(conv.messages) == 2
 
 
 @pytest.mark.anyio

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from agentkv._conversation import Ledger, TurnResult
 from agentkv._exceptions import ConversationError, StateError
+from agentkv._ledger import Ledger, TurnResult
 from agentkv.protocol import HEADER_CONVERSATION_ID, HEADER_EPOCH
 
 

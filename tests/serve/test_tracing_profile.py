@@ -85,7 +85,7 @@ def test_kubernetes_rendering_traces_too(tmp_path):
 
 
 def test_serve_says_where_traces_go(tmp_path, monkeypatch):
-    from agentkv.cli import _tracing_line
+    from agentkv.serve.tracing import tracing_line as _tracing_line
 
     for key in [k for k in os.environ if k.startswith("OTEL_")]:
         monkeypatch.delenv(key)

@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 
-from agentkv.promtext import parse_metrics
+from agentkv.protocol.promtext import parse_metrics
 from agentkv.sim import SimConfig, create_app
 from agentkv.sim.app import SimState
 from agentkv.sim.clock import ManualClock

@@ -17,7 +17,7 @@ import pytest
 from starlette.applications import Starlette
 
 from agentkv.chat import load_template, load_tokenizer
-from agentkv.promtext import parse_metrics
+from agentkv.protocol.promtext import parse_metrics
 from agentkv.sim import SimConfig, SimState, create_app
 from agentkv.sim.costmodel import PRESETS
 from agentkv.sim.transfer import TransferClient

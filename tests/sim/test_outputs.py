@@ -11,18 +11,20 @@ import pytest
 from pydantic import ValidationError
 
 from agentkv.sim.outputs import (
-    HERMES,
-    QWEN3_CODER,
     ParsedOutput,
     ParsedToolCall,
+    join_deltas,
+    parse_output,
+    stream_deltas,
+)
+from agentkv.sim.script import (
+    HERMES,
+    QWEN3_CODER,
     ScriptToolCall,
     SimScript,
     generate_text,
-    join_deltas,
     native_syntax_for,
-    parse_output,
     render_script,
-    stream_deltas,
 )
 
 WEATHER = {

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from agentkv.chat import template as template_mod
+from agentkv.chat import environment as environment_mod
 from agentkv.chat.template import (
     ChatTemplate,
     TemplateError,
@@ -116,7 +116,7 @@ class _FixedDatetime(datetime):
 
 @pytest.fixture(autouse=True)
 def fixed_date(monkeypatch):
-    monkeypatch.setattr(template_mod, "datetime", _FixedDatetime)
+    monkeypatch.setattr(environment_mod, "datetime", _FixedDatetime)
     try:
         import transformers.utils.chat_template_utils as hf_utils
     except ImportError:

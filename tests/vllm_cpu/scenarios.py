@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 import agentkv
-from agentkv.promtext import parse_metrics
+from agentkv.protocol.promtext import parse_metrics
 
 MODEL = "tiny"
 SYSTEM = "You are a meticulous assistant. " + " ".join(

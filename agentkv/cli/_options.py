@@ -1,0 +1,202 @@
+"""typer options generated from a pydantic model's fields, so that a new field of a config model
+is a new flag with no CLI edit.
+
+Each field ``name`` becomes ``--name`` in kebab case with the field's default (a bool that
+defaults to true: the switch ``--no-name`` that turns it off, whose name may be changed) and, for
+help, the CLI's short text for it if it has one, else the field's ``description``, else the
+first sentence of its attribute docstring.
+A ``Literal`` is passed as a string (the model validates it, so the error names the choices); a
+nested model, ``dict`` or ``list`` as JSON; a field with a ``default_factory`` (a random id) is
+unset unless given.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import itertools
+import re
+import textwrap
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, TypeVar, Union
+
+import typer
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
+
+__all__ = ["Flag", "attribute_docs", "model_values", "option_name", "with_model_options"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+_SCALARS = (bool, int, float, str)
+_OFF = "no_"  # the parameter of a --no-NAME switch: no_NAME
+
+
+@dataclass(frozen=True)
+class Flag:
+    """What the CLI says about one field beyond the model: a shorter help text, more names,
+    and for a bool that defaults to true the switch that turns it off instead of
+    ``--no-NAME``."""
+
+    help: str | None = None
+    aliases: tuple[str, ...] = ()
+    off: str | None = None
+
+
+def option_name(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def attribute_docs(model: type[BaseModel]) -> dict[str, str]:
+    """Each field's attribute docstring (the string literal under it), in one line, reST markup
+    (````x````, ``:class:`~a.B```) reduced to its text; base classes first."""
+    docs: dict[str, str] = {}
+    for cls in reversed(model.__mro__):
+        if not (isinstance(cls, type) and issubclass(cls, BaseModel)) or cls is BaseModel:
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        for stmt, nxt in itertools.pairwise(body):
+            if (
+                isinstance(stmt, ast.AnnAssign)
+                and isinstance(stmt.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
+                docs[stmt.target.id] = _plain(nxt.value.value)
+    return docs
+
+
+def _plain(doc: str) -> str:
+    text = " ".join(doc.split())
+    text = re.sub(r":\w+:`~?(?:[\w.]*\.)?([^`]+)`", r"\1", text)
+    return text.replace("``", "")
+
+
+def _first_sentence(text: str) -> str:
+    match = re.search(r"(?<!e\.g)(?<!i\.e)\.\s", text)
+    return text[: match.start() + 1] if match else text
+
+
+def _shape(annotation: Any) -> tuple[type, bool, tuple[str, ...], bool]:
+    """(the type typer parses, whether None is allowed, a Literal's choices, whether JSON)."""
+    optional = False
+    origin = typing.get_origin(annotation)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        optional = len(args) < len(typing.get_args(annotation))
+        annotation = args[0] if len(args) == 1 else Any
+        origin = typing.get_origin(annotation)
+    if origin is Literal:
+        return str, optional, tuple(str(a) for a in typing.get_args(annotation)), False
+    if annotation in _SCALARS:
+        return annotation, optional, (), False
+    return str, optional, (), True  # a model, dict, list, union: JSON
+
+
+def _help(name: str, flag: Flag, description: str | None, docs: dict[str, str]) -> str:
+    if flag.help is not None:
+        return flag.help
+    text = description or _first_sentence(docs.get(name, "")) or f"{name.replace('_', ' ')}."
+    return text
+
+
+def model_parameters(
+    model: type[BaseModel], flags: Mapping[str, Flag], *, skip: tuple[str, ...] = ()
+) -> list[inspect.Parameter]:
+    """One keyword-only parameter per field of ``model`` (those in ``skip`` left out)."""
+    unknown = set(flags) - set(model.model_fields)
+    if unknown:
+        raise ValueError(f"flags for fields {model.__name__} does not have: {sorted(unknown)}")
+    docs = attribute_docs(model)
+    params = []
+    for name, info in model.model_fields.items():
+        if name in skip:
+            continue
+        flag = flags.get(name, Flag())
+        kind, optional, choices, is_json = _shape(info.annotation)
+        help_text = _help(name, flag, info.description, docs)
+        if choices and flag.help is None:
+            help_text = f"{help_text} ({' | '.join(choices)})"
+        if info.default_factory is not None:
+            default: Any = None
+        elif info.default is PydanticUndefined:
+            default = ...
+        else:
+            default = info.default
+        param = name
+        if kind is bool and not optional:
+            # a switch, as vLLM's and the old hand-written flags are: typer's --x/--no-x pair
+            # takes a second column that squeezes every flag's name in an 80-column help
+            if default is True:
+                param, default = _OFF + name, False
+                decls = [flag.off or f"--no-{name.replace('_', '-')}", *flag.aliases]
+                if flag.help is None:
+                    help_text = f"Turn off {name}: {help_text}"
+            else:
+                decls = [option_name(name), *flag.aliases]
+            option = typer.Option(*decls, help=help_text, show_default=False)
+            shown: Any = bool
+        else:
+            decls = [option_name(name), *flag.aliases]
+            option = typer.Option(*decls, help=help_text, metavar="JSON" if is_json else None)
+            shown = kind | None if (optional or default is None) else kind
+        params.append(
+            inspect.Parameter(
+                param,
+                inspect.Parameter.KEYWORD_ONLY,
+                default=default,
+                annotation=Annotated[shown, option],
+            )
+        )
+    return params
+
+
+def with_model_options(
+    model: type[BaseModel],
+    flags: Mapping[str, Flag],
+    *,
+    skip: tuple[str, ...] = (),
+    extra: Callable[..., Any] | None = None,
+) -> Callable[[F], F]:
+    """Decorate a ``**values`` command so that typer sees one option per field of ``model``,
+    then ``extra``'s parameters (options that are not fields)."""
+    params = model_parameters(model, flags, skip=skip)
+    if extra is not None:
+        hints = typing.get_type_hints(extra, include_extras=True)
+        for p in inspect.signature(extra).parameters.values():
+            params.append(p.replace(kind=inspect.Parameter.KEYWORD_ONLY, annotation=hints[p.name]))
+
+    def decorate(func: F) -> F:
+        func.__signature__ = inspect.Signature(params, return_annotation=None)  # type: ignore[attr-defined]
+        func.__annotations__ = {p.name: p.annotation for p in params} | {"return": None}
+        return func
+
+    return decorate
+
+
+def model_values(model: type[BaseModel], values: Mapping[str, Any]) -> dict[str, Any]:
+    """The options that set fields of ``model``, as the model takes them: unset (None) ones left
+    out, so the model's defaults apply; JSON ones parsed (ValueError naming the flag)."""
+    import json
+
+    out: dict[str, Any] = {}
+    for name, info in model.model_fields.items():
+        value = values.get(name)
+        if values.get(_OFF + name):  # the --no-NAME switch
+            value = False
+        if value is None:
+            continue
+        if _shape(info.annotation)[3] and isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{option_name(name)} is not valid JSON: {exc}") from exc
+        out[name] = value
+    return out

@@ -1,0 +1,134 @@
+"""`agentkv plan`: TTLs, threshold and retention policies from a trace."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+
+from agentkv.cli._common import BlockSize, Trace, TraceFormat, floats, print_rows
+
+__all__ = ["plan"]
+
+
+def plan(
+    trace: Trace,
+    costs: Annotated[
+        str | None,
+        typer.Option(help="Cost file (from `agentkv calibrate`, or CostModel fields)."),
+    ] = None,
+    preset: Annotated[
+        str | None,
+        typer.Option(help="Simulator cost preset [default: qwen3-32b-p5en]."),
+    ] = None,
+    sessions: Annotated[int | None, typer.Option(help="Use only the first N sessions.")] = None,
+    block_size: BlockSize = 16,
+    ttl: Annotated[str | None, typer.Option(help="D TTLs to try (s), comma-separated.")] = None,
+    threshold: Annotated[
+        str | None,
+        typer.Option(help="kv_recompute_threshold values to try, comma-separated."),
+    ] = None,
+    target: Annotated[
+        float, typer.Option(help="Recommend the shortest TTL capturing this share of the best.")
+    ] = 0.95,
+    offload_gbps: Annotated[float, typer.Option(help="CPU tier read bandwidth (GB/s).")] = 25.0,
+    offload_horizon: Annotated[
+        float, typer.Option(help="How long a CPU tier keeps KV (s).")
+    ] = 3600.0,
+    epoch_rule: Annotated[
+        bool,
+        typer.Option(
+            help="Model the router before reuse planner v2: a rewrite (new epoch) reads "
+            "nothing back. Default: its verified prefix is read, as the router does."
+        ),
+    ] = False,
+    trace_format: TraceFormat = None,
+    out: Annotated[str | None, typer.Option(help="Directory for plan.json and plan.png.")] = None,
+    retention: Annotated[
+        str | None,
+        typer.Option(help="Retention policies to compare: fixed,oracle,lease,lease-sweep."),
+    ] = None,
+    retention_ttl: Annotated[
+        str, typer.Option(help="Fixed TTLs (s) of the fixed policy, comma-separated.")
+    ] = "60,450,900,1800",
+    ui_idle_s: Annotated[
+        float, typer.Option(help="Lease: a user wait's agent is dead after this long (s).")
+    ] = 300.0,
+    lease_s: Annotated[
+        float, typer.Option(help="Lease: lapses this long after the agent dies (s).")
+    ] = 30.0,
+    max_hold_s: Annotated[
+        float, typer.Option(help="Lease: D's TTL, the longest any hold lasts (s).")
+    ] = 1800.0,
+    json_out: Annotated[
+        str | None,
+        typer.Option("--json", help="Write the plan and the retention table to this file."),
+    ] = None,
+) -> None:
+    """Recommend decoder_kv_blocks_ttl, the router TTL and kv_recompute_threshold from a trace's
+    gaps and token profile, and say whether a CPU offload tier pays beyond the TTL;
+    --retention compares KV retention policies (fixed TTLs, an oracle, a liveness lease)."""
+    from agentkv.bench.plan_report import cost_model, plan_trace, write_plan
+    from agentkv.bench.traces import TraceError
+
+    try:
+        cost, source = cost_model(costs, preset)
+    except ValueError as exc:
+        typer.echo(f"agentkv: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    try:
+        report = plan_trace(
+            trace,
+            cost,
+            source,
+            trace_format=trace_format,
+            sessions=sessions,
+            block_size=block_size,
+            ttls=floats(ttl, "--ttl"),
+            thresholds=[int(x) for x in floats(threshold, "--threshold") or []],
+            target=target,
+            epoch_rule=epoch_rule,
+            offload_horizon_s=offload_horizon,
+            offload_gbps=offload_gbps,
+            retention=[x.strip() for x in (retention or "").split(",") if x.strip()],
+            retention_ttls=floats(retention_ttl, "--retention-ttl") or [],
+            lease=(ui_idle_s, lease_s, max_hold_s),
+        )
+    except (TraceError, OSError, ValueError) as exc:
+        typer.echo(f"agentkv plan: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    print_rows(report.ttl_rows(), report.title())
+    print_rows(report.threshold_rows(), f"at decoder_kv_blocks_ttl = {report.plan.ttl_s:g} s")
+    typer.echo(report.recommendation())
+    typer.echo(report.offload_line())
+    if report.retention:
+        _print_retention(report.retention)
+    for written in write_plan(report, trace, json_out=json_out, out=out):
+        typer.echo(f"wrote {written}")
+
+
+def _print_retention(rows: list[Any]) -> None:
+    """`agentkv plan --retention`: one line per policy, then the sweep's best lease."""
+    from agentkv.bench.retention import best_lease, sweep_grid
+
+    table = [["policy", "reusable lost", "block-seconds", "vs fixed-450", "lost ≤ horizon"]]
+    for r in (r for r in rows if not r.policy.startswith("lease-ui")):
+        table.append(
+            [
+                r.policy,
+                f"{100 * r.lost_fraction:.2f}%",
+                f"{r.block_seconds:,.0f}",
+                f"{r.block_seconds_vs_fixed_450:.2f}",
+                f"{100 * r.cpu_tier_fraction:.2f}%",
+            ]
+        )
+    print_rows(table, "retention: reusable tokens lost against D's block-seconds")
+    grid = sweep_grid(rows)
+    if grid:
+        print_rows(grid, "lease sweep: reusable lost / block-seconds vs fixed-450")
+    best = best_lease(rows)
+    if best is not None:
+        typer.echo(
+            f"best lease within fixed-450's block-seconds: {best.policy} loses "
+            f"{100 * best.lost_fraction:.2f}% at {best.block_seconds_vs_fixed_450:.2f}x"
+        )

@@ -1,0 +1,138 @@
+"""What a turn really did: the client's receipt headers, and the same figures in the metrics,
+the span and the log (one place, so headers and metrics never disagree)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from opentelemetry import trace
+
+from agentkv.protocol import (
+    HEADER_DECISION,
+    HEADER_ESTIMATED,
+    HEADER_LOCAL_PREFIX_TOKENS,
+    HEADER_REUSED_TOKENS,
+    HEADER_SIM_MODEL_TTFT_MS,
+    HEADER_SIM_WRONG_KV_TOKENS,
+    HEADER_TRIM_CAUSE,
+    HEADER_VERIFIED_PREFIX_TOKENS,
+)
+from agentkv.router.logs import safe
+from agentkv.router.metrics import RouterMetrics
+from agentkv.router.request import ClientRequest
+
+__all__ = ["Receipt", "account", "sim_receipt"]
+
+log = logging.getLogger("agentkv.router")
+
+
+@dataclass(frozen=True)
+class Receipt:
+    """What the turn really did, for the client's headers and the metrics."""
+
+    decision: str
+    reused: int
+    """M: tokens P reads from D."""
+    verified: int
+    """C."""
+    local: int | None
+    """L (None: unknown, P's KV events are off)."""
+    cause: str | None
+
+    def headers(self) -> dict[str, str]:
+        out = {
+            HEADER_DECISION: self.decision,
+            HEADER_REUSED_TOKENS: str(self.reused),
+            HEADER_VERIFIED_PREFIX_TOKENS: str(self.verified),
+        }
+        if self.local is None:
+            out[HEADER_ESTIMATED] = "1"
+        else:
+            out[HEADER_LOCAL_PREFIX_TOKENS] = str(self.local)
+        if self.cause:
+            out[HEADER_TRIM_CAUSE] = self.cause
+        return out
+
+
+def sim_receipt(prefill: Mapping[str, str], decode: Mapping[str, str]) -> dict[str, str]:
+    """The turn's simulator receipt from P's and D's (absent with real vLLM): the modelled TTFT
+    is P's plus D's, the wrong-KV tokens the larger count (D's wrong tokens are those it pulled
+    from a P that read wrong KV, plus its own poisoned prefix cache)."""
+    out: dict[str, str] = {}
+    ttft = [
+        float(h[HEADER_SIM_MODEL_TTFT_MS])
+        for h in (prefill, decode)
+        if HEADER_SIM_MODEL_TTFT_MS in h
+    ]
+    if ttft:
+        out[HEADER_SIM_MODEL_TTFT_MS] = f"{sum(ttft):.3f}"
+    wrong = [
+        int(h[HEADER_SIM_WRONG_KV_TOKENS])
+        for h in (prefill, decode)
+        if HEADER_SIM_WRONG_KV_TOKENS in h
+    ]
+    if wrong:
+        out[HEADER_SIM_WRONG_KV_TOKENS] = str(max(wrong))
+    return out
+
+
+def account(
+    metrics: RouterMetrics,
+    req: ClientRequest,
+    ids: list[int],
+    r: Receipt,
+    prefill_url: str,
+    decode_url: str,
+    span: trace.Span,
+    started: float,
+) -> None:
+    """A turn's receipt into the metrics, the span and the log."""
+    metrics.requests.labels("chat" if req.chat else "completions", r.decision).inc()
+    metrics.reused_tokens.inc(r.reused)
+    metrics.verified_tokens.inc(r.verified)
+    metrics.prompt_tokens.inc(len(ids))
+    if r.local is None:
+        metrics.estimated.inc()
+    else:
+        metrics.local_prefix_tokens.inc(r.local)
+    if r.cause:
+        metrics.trimmed.labels(r.cause).inc()
+    span.set_attributes(
+        {
+            "agentkv.decision": r.decision,
+            "agentkv.reused_tokens": r.reused,
+            "agentkv.verified_prefix_tokens": r.verified,
+            "agentkv.local_prefix_tokens": -1 if r.local is None else r.local,
+            "agentkv.prompt_tokens": len(ids),
+            "agentkv.prefill.url": prefill_url,
+            "agentkv.decode.url": decode_url,
+        }
+    )
+    log.info(
+        "turn conversation=%s tenant=%s epoch=%d decision=%s reused=%d verified=%d local=%s "
+        "prompt_tokens=%d prefill=%s decode=%s ms=%.1f",
+        safe(req.conversation_id),
+        safe(req.tenant),
+        req.epoch,
+        r.decision,
+        r.reused,
+        r.verified,
+        "?" if r.local is None else r.local,
+        len(ids),
+        prefill_url,
+        decode_url,
+        (time.perf_counter() - started) * 1000,
+        extra={
+            "conversation_id": safe(req.conversation_id or ""),
+            "tenant": safe(req.tenant),
+            "epoch": req.epoch,
+            "decision": r.decision,
+            "reused": r.reused,
+            "verified": r.verified,
+            "local": r.local,
+            "prompt_tokens": len(ids),
+        },
+    )
