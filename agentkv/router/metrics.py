@@ -102,9 +102,14 @@ class RouterMetrics:
             "the router's TTFT), by decision.",
             ("decision",),
         )
-        self.store_size = Gauge("agentkv_router_store_handles", "Handles held in the store.")
+        self.store_size = Gauge(
+            "agentkv_router_store_handles", "Handles held in the store.", registry=r
+        )
         self.healthy = Gauge(
-            "agentkv_router_engine_healthy", "1 when the engine is in rotation.", ("role", "url")
+            "agentkv_router_engine_healthy",
+            "1 when the engine is in rotation.",
+            ("role", "url"),
+            registry=r,
         )
 
     def render(self) -> bytes:
