@@ -223,25 +223,26 @@ def create_app(
             {"id": conversation, "object": "conversation.deleted", "released": released}
         )
 
-    async def lease(request: Request) -> Response:
+    async def lease_call(request: Request) -> tuple[str, dict[str, Any], float]:
+        """A lease call's tenant, JSON body and ``lease_s`` (required)."""
         tenant, _ = tenant_for(config, request.headers.get("authorization"))
         body = await _json_object(request)
         seconds = lease_seconds(body.get("lease_s"))
         if seconds is None:
             raise RouterError(400, "`lease_s` is required.", param="lease_s")
-        conversation = request.path_params["conversation_id"]
+        return tenant, body, seconds
+
+    async def renew(tenant: str, conversation: str, seconds: float) -> dict[str, Any]:
         granted = await router.retention.renew((tenant, conversation), seconds)
-        return JSONResponse(
-            {"id": conversation, "object": "conversation.lease", "lease_s": granted}
-        )
+        return {"id": conversation, "object": "conversation.lease", "lease_s": granted}
+
+    async def lease(request: Request) -> Response:
+        tenant, _, seconds = await lease_call(request)
+        return JSONResponse(await renew(tenant, request.path_params["conversation_id"], seconds))
 
     async def leases_batch(request: Request) -> Response:
-        tenant, _ = tenant_for(config, request.headers.get("authorization"))
-        body = await _json_object(request)
-        seconds = lease_seconds(body.get("lease_s"))
+        tenant, body, seconds = await lease_call(request)
         ids = body.get("ids")
-        if seconds is None:
-            raise RouterError(400, "`lease_s` is required.", param="lease_s")
         if (
             not isinstance(ids, list)
             or len(ids) > 10_000
@@ -250,10 +251,7 @@ def create_app(
             raise RouterError(
                 400, "`ids` must be a list of at most 10000 conversation ids.", param="ids"
             )
-        data = []
-        for conversation in ids:
-            granted = await router.retention.renew((tenant, conversation), seconds)
-            data.append({"id": conversation, "object": "conversation.lease", "lease_s": granted})
+        data = [await renew(tenant, conversation, seconds) for conversation in ids]
         return JSONResponse({"object": "list", "data": data})
 
     routes = [

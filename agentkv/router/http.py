@@ -18,8 +18,8 @@ Replies keep httpx's attribute names (``status_code``, ``headers``, ``content``,
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Awaitable, Mapping
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import aiohttp
 import httpx
@@ -37,6 +37,7 @@ __all__ = [
 ]
 
 _JSON = {"content-type": "application/json"}
+_R = TypeVar("_R")
 
 
 class TransportError(Exception):
@@ -56,6 +57,31 @@ def _headers(data: bytes | None, extra: Mapping[str, str] | None) -> Mapping[str
     if not extra:
         return _JSON if data is not None else None
     return {**_JSON, **extra} if data is not None else dict(extra)
+
+
+class _Errors:
+    """One HTTP library's exceptions as this module's: ``caught`` is what to catch, calling it
+    gives the :class:`Timeout` or :class:`TransportError` to raise (``where``: the request)."""
+
+    __slots__ = ("_quiet_timeout", "_timeout", "caught")
+
+    def __init__(
+        self, timeout: type[BaseException], error: type[BaseException], *, quiet_timeout: bool
+    ) -> None:
+        self._timeout, self.caught = timeout, (timeout, error)
+        # asyncio's TimeoutError says nothing (``TimeoutError()``): name it instead
+        self._quiet_timeout = quiet_timeout
+
+    def __call__(self, exc: BaseException, where: str = "") -> TransportError:
+        if not where:
+            return (Timeout if isinstance(exc, self._timeout) else TransportError)(repr(exc))
+        if isinstance(exc, self._timeout):
+            return Timeout(f"{where}: timed out" if self._quiet_timeout else f"{where}: {exc!r}")
+        return TransportError(f"{where}: {exc!r}")
+
+
+_AIOHTTP_ERRORS = _Errors(asyncio.TimeoutError, aiohttp.ClientError, quiet_timeout=True)
+_HTTPX_ERRORS = _Errors(httpx.TimeoutException, httpx.HTTPError, quiet_timeout=False)
 
 
 class Reply:
@@ -112,30 +138,64 @@ class EngineClient(Protocol):
     async def aclose(self) -> None: ...
 
 
-# -- aiohttp ---------------------------------------------------------------------------------
+class _Client:
+    """What both clients share: ``post`` and ``get`` over their ``_request``."""
+
+    base_url: str
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        data: bytes | None,
+        timeout: float | None,
+        headers: Mapping[str, str] | None = None,
+    ) -> Reply:
+        raise NotImplementedError
+
+    async def post(
+        self,
+        path: str,
+        body: Mapping[str, Any] | bytes,
+        *,
+        timeout: float | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> Reply:
+        return await self._request("POST", path, encode(body), timeout, headers)
+
+    async def get(self, path: str, *, timeout: float | None = None) -> Reply:
+        return await self._request("GET", path, None, timeout)
 
 
-class _AiohttpStream:
-    __slots__ = ("_response",)
+class _Stream(Generic[_R]):
+    """What both streamed replies share: the status and headers (read when the reply arrived),
+    ``aread`` over the library's own read (``_read``), its errors translated by ``_errors``."""
 
-    def __init__(self, response: aiohttp.ClientResponse) -> None:
-        self._response = response
+    __slots__ = ("_response", "headers", "status_code")
+    _errors: ClassVar[_Errors]
 
-    @property
-    def status_code(self) -> int:
-        return self._response.status
+    def __init__(self, response: _R, status_code: int, headers: Mapping[str, str]) -> None:
+        self._response, self.status_code, self.headers = response, status_code, headers
 
-    @property
-    def headers(self) -> Mapping[str, str]:
-        return self._response.headers
+    def _read(self) -> Awaitable[bytes]:
+        raise NotImplementedError
 
     async def aread(self) -> bytes:
         try:
-            return await self._response.read()
-        except asyncio.TimeoutError as exc:
-            raise Timeout(repr(exc)) from exc
-        except aiohttp.ClientError as exc:
-            raise TransportError(repr(exc)) from exc
+            return await self._read()
+        except self._errors.caught as exc:
+            raise self._errors(exc) from exc
+
+
+# -- aiohttp ---------------------------------------------------------------------------------
+
+
+class _AiohttpStream(_Stream[aiohttp.ClientResponse]):
+    __slots__ = ()
+    _errors = _AIOHTTP_ERRORS
+
+    def _read(self) -> Awaitable[bytes]:
+        return self._response.read()
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         content = self._response.content
@@ -145,16 +205,14 @@ class _AiohttpStream:
                 if not data:
                     return
                 yield data
-        except asyncio.TimeoutError as exc:
-            raise Timeout(repr(exc)) from exc
-        except aiohttp.ClientError as exc:
-            raise TransportError(repr(exc)) from exc
+        except _AIOHTTP_ERRORS.caught as exc:
+            raise _AIOHTTP_ERRORS(exc) from exc
 
     async def aclose(self) -> None:
         self._response.release()
 
 
-class AiohttpClient:
+class AiohttpClient(_Client):
     """One engine over aiohttp: a pool of at most ``max_connections`` connections, idle ones
     closed after ``keepalive_s`` (shorter than the engine's own keep-alive timeout, so the router
     never sends on a connection the engine is closing)."""
@@ -214,23 +272,8 @@ class AiohttpClient:
             ) as r:
                 content = await r.read()
                 return Reply(r.status, r.headers, content)
-        except asyncio.TimeoutError as exc:
-            raise Timeout(f"{method} {self.base_url}{path}: timed out") from exc
-        except aiohttp.ClientError as exc:
-            raise TransportError(f"{method} {self.base_url}{path}: {exc!r}") from exc
-
-    async def post(
-        self,
-        path: str,
-        body: Mapping[str, Any] | bytes,
-        *,
-        timeout: float | None = None,
-        headers: Mapping[str, str] | None = None,
-    ) -> Reply:
-        return await self._request("POST", path, encode(body), timeout, headers)
-
-    async def get(self, path: str, *, timeout: float | None = None) -> Reply:
-        return await self._request("GET", path, None, timeout)
+        except _AIOHTTP_ERRORS.caught as exc:
+            raise _AIOHTTP_ERRORS(exc, f"{method} {self.base_url}{path}") from exc
 
     async def stream(
         self, path: str, body: Mapping[str, Any] | bytes, headers: Mapping[str, str] | None = None
@@ -240,11 +283,9 @@ class AiohttpClient:
             r = await session.request(
                 "POST", path, data=encode(body), headers=_headers(b"", headers)
             )
-        except asyncio.TimeoutError as exc:
-            raise Timeout(f"POST {self.base_url}{path}: timed out") from exc
-        except aiohttp.ClientError as exc:
-            raise TransportError(f"POST {self.base_url}{path}: {exc!r}") from exc
-        return _AiohttpStream(r)
+        except _AIOHTTP_ERRORS.caught as exc:
+            raise _AIOHTTP_ERRORS(exc, f"POST {self.base_url}{path}") from exc
+        return _AiohttpStream(r, r.status, r.headers)
 
     async def aclose(self) -> None:
         if self._session is not None:
@@ -255,42 +296,25 @@ class AiohttpClient:
 # -- httpx -----------------------------------------------------------------------------------
 
 
-class _HttpxStream:
-    __slots__ = ("_response",)
+class _HttpxStream(_Stream[httpx.Response]):
+    __slots__ = ()
+    _errors = _HTTPX_ERRORS
 
-    def __init__(self, response: httpx.Response) -> None:
-        self._response = response
-
-    @property
-    def status_code(self) -> int:
-        return self._response.status_code
-
-    @property
-    def headers(self) -> Mapping[str, str]:
-        return self._response.headers
-
-    async def aread(self) -> bytes:
-        try:
-            return await self._response.aread()
-        except httpx.TimeoutException as exc:
-            raise Timeout(repr(exc)) from exc
-        except httpx.HTTPError as exc:
-            raise TransportError(repr(exc)) from exc
+    def _read(self) -> Awaitable[bytes]:
+        return self._response.aread()
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         try:
             async for data in self._response.aiter_raw():
                 yield data
-        except httpx.TimeoutException as exc:
-            raise Timeout(repr(exc)) from exc
-        except httpx.HTTPError as exc:
-            raise TransportError(repr(exc)) from exc
+        except _HTTPX_ERRORS.caught as exc:
+            raise _HTTPX_ERRORS(exc) from exc
 
     async def aclose(self) -> None:
         await self._response.aclose()
 
 
-class HttpxClient:
+class HttpxClient(_Client):
     """One engine over httpx (an injected transport, or the measured alternative)."""
 
     def __init__(
@@ -318,19 +342,6 @@ class HttpxClient:
             ),
         )
 
-    async def post(
-        self,
-        path: str,
-        body: Mapping[str, Any] | bytes,
-        *,
-        timeout: float | None = None,
-        headers: Mapping[str, str] | None = None,
-    ) -> Reply:
-        return await self._request("POST", path, encode(body), timeout, headers)
-
-    async def get(self, path: str, *, timeout: float | None = None) -> Reply:
-        return await self._request("GET", path, None, timeout)
-
     async def _request(
         self,
         method: str,
@@ -344,10 +355,8 @@ class HttpxClient:
             r = await self._client.request(
                 method, path, content=data, headers=_headers(data, headers), **kwargs
             )
-        except httpx.TimeoutException as exc:
-            raise Timeout(f"{method} {self.base_url}{path}: {exc!r}") from exc
-        except httpx.HTTPError as exc:
-            raise TransportError(f"{method} {self.base_url}{path}: {exc!r}") from exc
+        except _HTTPX_ERRORS.caught as exc:
+            raise _HTTPX_ERRORS(exc, f"{method} {self.base_url}{path}") from exc
         return Reply(r.status_code, r.headers, r.content)
 
     async def stream(
@@ -358,11 +367,9 @@ class HttpxClient:
         )
         try:
             r = await self._client.send(request, stream=True)
-        except httpx.TimeoutException as exc:
-            raise Timeout(f"POST {self.base_url}{path}: {exc!r}") from exc
-        except httpx.HTTPError as exc:
-            raise TransportError(f"POST {self.base_url}{path}: {exc!r}") from exc
-        return _HttpxStream(r)
+        except _HTTPX_ERRORS.caught as exc:
+            raise _HTTPX_ERRORS(exc, f"POST {self.base_url}{path}") from exc
+        return _HttpxStream(r, r.status_code, r.headers)
 
     async def aclose(self) -> None:
         await self._client.aclose()

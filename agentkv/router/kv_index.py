@@ -32,7 +32,6 @@ P computes itself: every read of D's KV is still verified by token ids.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import re
@@ -57,6 +56,7 @@ from agentkv.protocol.kv_events import (
     KVEventsConfig,
     publisher_binds,
 )
+from agentkv.router.tasks import cancel_and_wait
 
 __all__ = [
     "IndexStats",
@@ -489,11 +489,7 @@ class KVEventSubscriber:
 
     async def aclose(self) -> None:
         """Stop receiving and close the sockets."""
-        for task in (self._task, self._subscriber_task):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await cancel_and_wait((self._task, self._subscriber_task))
         self._task = self._subscriber_task = None
         if self._sub is not None:
             if self._monitor is not None:

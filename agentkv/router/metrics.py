@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 __all__ = ["RouterMetrics"]
@@ -14,104 +16,91 @@ class RouterMetrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
-        self.requests = Counter(
+
+        def counter(name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
+            return Counter(name, doc, labels, registry=r)
+
+        def histogram(
+            name: str, doc: str, labels: Sequence[str] = (), *, buckets: Sequence[float] = _LATENCY
+        ) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r)
+
+        self.requests = counter(
             "agentkv_router_requests",
             "Requests by endpoint and decision.",
             ("endpoint", "decision"),
-            registry=r,
         )
-        self.failed = Counter(
+        self.failed = counter(
             "agentkv_router_failed_requests",
             "Requests answered with an error, by status.",
             ("status",),
-            registry=r,
         )
-        self.reused_tokens = Counter(
+        self.reused_tokens = counter(
             "agentkv_router_reused_tokens",
             "Prompt tokens P reads from D's blocks: M = max(0, min(C, N) - L), estimated where "
             "P's KV events are off.",
-            registry=r,
         )
-        self.prompt_tokens = Counter(
+        self.prompt_tokens = counter(
             "agentkv_router_prompt_tokens",
             "Prompt tokens of answered turns (reuse ratio = reused / prompt).",
-            registry=r,
         )
-        self.local_prefix_tokens = Counter(
+        self.local_prefix_tokens = counter(
             "agentkv_router_local_prefix_tokens",
             "Prompt tokens P already held in its own prefix cache (L, from its KV events).",
-            registry=r,
         )
-        self.estimated = Counter(
+        self.estimated = counter(
             "agentkv_router_estimated_turns",
             "Turns whose reuse figure is an estimate (L unknown: P's KV events off).",
-            registry=r,
         )
-        self.trimmed = Counter(
+        self.trimmed = counter(
             "agentkv_router_trimmed_turns",
             "Turns that used less than the whole handle, by cause (rewrite or drift).",
             ("cause",),
-            registry=r,
         )
-        self.abandoned = Counter(
+        self.abandoned = counter(
             "agentkv_router_abandoned_streams",
             "Streams whose client left before the end: drained (D read to the end, its handle "
             "kept) or aborted.",
             ("outcome",),
-            registry=r,
         )
-        self.store_errors = Counter(
+        self.store_errors = counter(
             "agentkv_router_store_errors",
             "Handle-store calls that failed or were skipped by the open breaker, by operation.",
             ("op",),
-            registry=r,
         )
-        self.verified_tokens = Counter(
-            "agentkv_router_verified_tokens",
-            "Prompt tokens verified against what D holds.",
-            registry=r,
+        self.verified_tokens = counter(
+            "agentkv_router_verified_tokens", "Prompt tokens verified against what D holds."
         )
-        self.released = Counter(
+        self.released = counter(
             "agentkv_router_handles_released",
             "Handles released early (remote_num_tokens 0), by reason.",
             ("reason",),
-            registry=r,
         )
-        self.handle_age = Histogram(
+        self.handle_age = histogram(
             "agentkv_router_handle_age_seconds",
             "Age of a handle when a turn takes it.",
             buckets=(1, 5, 15, 30, 60, 120, 240, 360, 450, 480),
-            registry=r,
         )
-        self.upstream_errors = Counter(
-            "agentkv_router_upstream_errors", "Failed upstream calls.", ("role", "kind"), registry=r
+        self.upstream_errors = counter(
+            "agentkv_router_upstream_errors", "Failed upstream calls.", ("role", "kind")
         )
-        self.retries = Counter(
-            "agentkv_router_retries", "Upstream retries, by reason.", ("reason",), registry=r
+        self.retries = counter(
+            "agentkv_router_retries", "Upstream retries, by reason.", ("reason",)
         )
-        self.p_seconds = Histogram(
-            "agentkv_router_prefill_seconds", "P request latency.", buckets=_LATENCY, registry=r
+        self.p_seconds = histogram("agentkv_router_prefill_seconds", "P request latency.")
+        self.d_first_byte = histogram(
+            "agentkv_router_decode_first_byte_seconds", "D time to first byte."
         )
-        self.d_first_byte = Histogram(
-            "agentkv_router_decode_first_byte_seconds",
-            "D time to first byte.",
-            buckets=_LATENCY,
-            registry=r,
-        )
-        self.turn_seconds = Histogram(
+        self.turn_seconds = histogram(
             "agentkv_router_turn_seconds",
             "Whole turn latency (to D's last byte), by decision.",
             ("decision",),
-            buckets=_LATENCY,
-            registry=r,
         )
-        self.first_byte = Histogram(
+        self.first_byte = histogram(
             "agentkv_router_first_byte_seconds",
             "From the client's request to D's first byte (P, the KV read and D's first byte: "
             "the router's TTFT), by decision.",
             ("decision",),
-            buckets=_LATENCY,
-            registry=r,
         )
         self.store_size = Gauge(
             "agentkv_router_store_handles", "Handles held in the store.", registry=r

@@ -25,6 +25,7 @@ from agentkv.router.http import TransportError
 from agentkv.router.leases import Leases
 from agentkv.router.metrics import RouterMetrics
 from agentkv.router.store import StoredHandle, StoreKey
+from agentkv.router.tasks import cancel_and_wait
 from agentkv.router.upstream import Upstream
 
 __all__ = ["Retention", "kv_usage"]
@@ -70,11 +71,7 @@ class Retention:
             self._tasks += [asyncio.create_task(self._pressure_forever(e)) for e in self.decode]
 
     async def aclose(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(self._tasks)
 
     async def renew(self, key: StoreKey, seconds: float) -> float:
         """Start or renew a lease (capped at the router's TTL); the seconds granted."""

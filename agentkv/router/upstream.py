@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 from collections.abc import Callable, Sequence
@@ -22,6 +21,7 @@ import httpx
 
 from agentkv.router.config import Backend, RouterConfig
 from agentkv.router.http import AiohttpClient, EngineClient, HttpxClient, TransportError
+from agentkv.router.tasks import cancel_and_wait
 
 __all__ = ["EnginePool", "Upstream", "pick_decode", "pick_prefill"]
 
@@ -165,11 +165,7 @@ class EnginePool:
         self._tasks = [asyncio.create_task(self._watch(e)) for e in self.all]
 
     async def aclose(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(self._tasks)
         for e in self.all:
             await e.client.aclose()
             await e.health.aclose()

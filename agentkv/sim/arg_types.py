@@ -38,6 +38,20 @@ _TYPE_ALIASES = {
     "sequence": "array",
 }
 _TYPE_PRIORITY = ("null", "integer", "number", "boolean", "object", "array", "string")
+# An enum value's JSON type, the first that matches (bool before int: True is an int).
+_VALUE_TYPES: tuple[tuple[type, str], ...] = (
+    (type(None), "null"),
+    (bool, "boolean"),
+    (int, "integer"),
+    (float, "number"),
+    (str, "string"),
+    (list, "array"),
+    (dict, "object"),
+)
+
+
+def _json_type(value: object) -> str | None:
+    return next((name for kind, name in _VALUE_TYPES if isinstance(value, kind)), None)
 
 
 def _schema_types(schema: object) -> list[str]:
@@ -53,20 +67,9 @@ def _schema_types(schema: object) -> list[str]:
     enum = schema.get("enum")
     if isinstance(enum, list):
         for value in enum:
-            if value is None:
-                types.add("null")
-            elif isinstance(value, bool):
-                types.add("boolean")
-            elif isinstance(value, int):
-                types.add("integer")
-            elif isinstance(value, float):
-                types.add("number")
-            elif isinstance(value, str):
-                types.add("string")
-            elif isinstance(value, list):
-                types.add("array")
-            elif isinstance(value, dict):
-                types.add("object")
+            json_type = _json_type(value)
+            if json_type is not None:
+                types.add(json_type)
     for choice in ("anyOf", "oneOf", "allOf"):
         options = schema.get(choice)
         if isinstance(options, list):

@@ -101,7 +101,6 @@ def full_response(
     gen = plan.gen
     ids = list(fin.output_ids) if plan.return_token_ids else None
     prompt_ids = list(gen.prompt_ids) if plan.return_token_ids else None
-    head = {"id": gen.request_id.rsplit("-", 1)[0]}
     if plan.chat:
         msg, has_tools = _message(r, plan, fin.output_ids)
         choice: dict[str, Any] = {
@@ -114,43 +113,36 @@ def full_response(
             "routed_experts": None,
             "weight_versions": None,
         }
-        return {
-            **head,
-            "object": "chat.completion",
-            "created": plan.created,
-            "model": plan.model,
-            "choices": [choice],
-            "service_tier": None,
-            "system_fingerprint": SYSTEM_FINGERPRINT,
-            "usage": usage(r, plan, sched, len(fin.output_ids)),
+        kind = "chat.completion"
+        prompt: dict[str, Any] = {
             "prompt_logprobs": None,
             "prompt_token_ids": prompt_ids,
             "prompt_text": None,
-            "kv_transfer_params": fin.kv_transfer_params,
-            "ec_transfer_params": None,
-            "metrics": None,
         }
-    choice = {
-        "index": 0,
-        "text": _text(r, plan, fin.output_ids),
-        "logprobs": None,
-        "finish_reason": _engine_finish(plan, fin),
-        "stop_reason": _stop_reason(plan, fin.output_ids),
-        "token_ids": ids,
-        "prompt_logprobs": None,
-        "prompt_token_ids": prompt_ids,
-        "routed_experts": None,
-        "weight_versions": None,
-    }
+    else:
+        choice = {
+            "index": 0,
+            "text": _text(r, plan, fin.output_ids),
+            "logprobs": None,
+            "finish_reason": _engine_finish(plan, fin),
+            "stop_reason": _stop_reason(plan, fin.output_ids),
+            "token_ids": ids,
+            "prompt_logprobs": None,
+            "prompt_token_ids": prompt_ids,
+            "routed_experts": None,
+            "weight_versions": None,
+        }
+        kind, prompt = "text_completion", {}  # a completion's prompt fields are its choice's
     return {
-        **head,
-        "object": "text_completion",
+        "id": gen.request_id.rsplit("-", 1)[0],
+        "object": kind,
         "created": plan.created,
         "model": plan.model,
         "choices": [choice],
         "service_tier": None,
         "system_fingerprint": SYSTEM_FINGERPRINT,
         "usage": usage(r, plan, sched, len(fin.output_ids)),
+        **prompt,
         "kv_transfer_params": fin.kv_transfer_params,
         "ec_transfer_params": None,
         "metrics": None,

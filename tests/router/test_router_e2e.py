@@ -54,6 +54,14 @@ def client(s) -> agentkv.Client:
     return agentkv.Client(base_url=f"{s.router.url}/v1", api_key="k")
 
 
+def hello(c: agentkv.Client) -> agentkv.Conversation:
+    """A conversation whose first turn ("hello", 60 tokens) is answered: D holds its handle."""
+    conv = c.conversation(model="agentkv-sim", system=SYSTEM)
+    conv.add_user("hello")
+    conv.create(max_tokens=60)
+    return conv
+
+
 def test_ten_turn_tool_conversation_reuses_every_turn(pd):
     with client(pd) as c:
         conv = c.conversation(model="agentkv-sim", system=SYSTEM, tools=TOOLS)
@@ -137,9 +145,7 @@ def test_streaming_clients_get_reuse_and_no_internal_fields(pd):
 )
 def test_bad_input_is_a_4xx_and_keeps_the_handle(pd, raw, status):
     with client(pd) as c:
-        conv = c.conversation(model="agentkv-sim", system=SYSTEM)
-        conv.add_user("hello")
-        conv.create(max_tokens=60)
+        conv = hello(c)
         r = httpx.post(
             f"{pd.router.url}/v1/chat/completions",
             content=raw,
@@ -217,9 +223,7 @@ def test_turn_after_the_ttl_is_expired_not_an_error(tmp_path):
         ) as s,
         client(s) as c,
     ):
-        conv = c.conversation(model="agentkv-sim", system=SYSTEM)
-        conv.add_user("hello")
-        conv.create(max_tokens=60)
+        conv = hello(c)
         time.sleep(1.7)
         conv.add_user("after a pause")
         t = time.perf_counter()
@@ -238,9 +242,7 @@ def test_expired_read_on_vllm_032_is_retried_without_the_handle(tmp_path):
         router={"decoder_kv_blocks_ttl_s": 60, "prefill_deadline_s": 1.5},
     ) as s:
         with client(s) as c:
-            conv = c.conversation(model="agentkv-sim", system=SYSTEM)
-            conv.add_user("hello")
-            conv.create(max_tokens=60)
+            conv = hello(c)
             time.sleep(1.0)  # within 5 s of D's expiry: P declines the read and hangs
             conv.add_user("late")
             t = time.perf_counter()
@@ -313,9 +315,7 @@ def test_two_routers_share_handles_through_redis(tmp_path, redis_url):
 
 def test_close_releases_d_blocks_now(pd):
     with client(pd) as c:
-        conv = c.conversation(model="agentkv-sim", system=SYSTEM)
-        conv.add_user("hello")
-        conv.create(max_tokens=60)
+        conv = hello(c)
         before = pd.retained(pd.decode[0])
         assert conv.close() is True
         deadline = time.monotonic() + 5
@@ -344,9 +344,7 @@ def test_health_reports_engines(pd):
 
 def test_a_handle_p_could_not_use_is_released(pd):
     with client(pd) as c:
-        conv = c.conversation(model="agentkv-sim", system=SYSTEM)
-        conv.add_user("hello")
-        conv.create(max_tokens=60)
+        conv = hello(c)
         held = pd.retained(pd.decode[0])
         httpx.post(f"{pd.prefill[0].url}/_sim/faults", json={"fail_next": 1, "fail_status": 500})
         conv.add_user("P fails once with the handle attached")

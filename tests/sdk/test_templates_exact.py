@@ -14,12 +14,12 @@ import copy
 import json
 import signal
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
+from templates_support import TEMPLATES_DIR, UNSAFE_APPEND, real_templates
 
 import agentkv
 from agentkv.bench.template_check import SYSTEM, TOOLS, generated_part, scripted_turns
@@ -28,23 +28,16 @@ from agentkv.sim.launch import SimProcess, start_sims
 
 pytestmark = pytest.mark.e2e
 
-TEMPLATES_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "chat-templates"
-if not TEMPLATES_DIR.is_dir():
-    pytest.skip(
-        f"the real chat templates are not checked out next to the repo ({TEMPLATES_DIR})",
-        allow_module_level=True,
-    )
-TEMPLATES = sorted(p.name for p in TEMPLATES_DIR.glob("*.jinja"))
+TEMPLATES = real_templates()
 MODEL = "agentkv-sim"
 
-_APPEND = "access to attribute 'append' of 'list' object is unsafe"
 _MISTRAL_IDS = "Tool call IDs should be alphanumeric strings with length 9"
 FAILS_AT_FIRST_TOOL_RESULT = {
     # the official template concatenates the arguments, which vLLM hands it as a dict
     "deepseek-v3.1.jinja": "can only concatenate str",
     # llama.cpp copies: list.append is refused by the immutable sandbox vLLM renders in
-    "kimi-k2-instruct-0905.jinja": _APPEND,
-    "kimi-k2-thinking.jinja": _APPEND,
+    "kimi-k2-instruct-0905.jinja": UNSAFE_APPEND,
+    "kimi-k2-thinking.jinja": UNSAFE_APPEND,
     # the simulator's tool-call ids are vLLM's hermes-style ids, not Mistral's nine characters
     "mistral-nemo.jinja": _MISTRAL_IDS,
     "mistral-small-3.2.jinja": _MISTRAL_IDS,

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from templates_support import TEMPLATES_DIR
 
 from agentkv.chat import load_template, load_tokenizer
 from agentkv.sim import SimConfig, create_app
@@ -24,7 +24,6 @@ pytestmark = pytest.mark.anyio
 
 IM_END = 151645  # <|im_end|>
 THINK, END_THINK = 151667, 151668  # <think>, </think>
-TEMPLATES_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "chat-templates"
 CODER = TEMPLATES_DIR / "qwen3-coder.jinja"
 MESSAGES = [{"role": "user", "content": "What's the weather in Paris for the next 3 days?"}]
 TOOLS = [

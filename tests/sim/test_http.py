@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from templates_support import TEMPLATES_DIR
 
 from agentkv.chat import load_template, load_tokenizer
 from agentkv.protocol.promtext import parse_metrics
@@ -25,7 +25,6 @@ pytestmark = pytest.mark.anyio
 
 IM_END = 151645  # <|im_end|>, Qwen3's end of turn
 MODEL = "agentkv-sim"
-TEMPLATES_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "chat-templates"
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "What is the capital of France?"},

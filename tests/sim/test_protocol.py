@@ -278,18 +278,17 @@ async def test_non_bidirectional_decode_returns_no_handle():
     assert c.d.engine.retained == {}
 
 
+async def streamed_decode(c: Cluster, **options: Any):
+    """D streams five tokens of PROMPT on P's handle."""
+    p = await prefill(c, PROMPT)
+    body = {"prompt": PROMPT, "max_tokens": 5, "ignore_eos": True, "stream": True, **options}
+    body["kv_transfer_params"] = p.json()["kv_transfer_params"]
+    return await c.post(D_PORT, "/v1/completions", body)
+
+
 async def test_streamed_decode_puts_handle_on_finish_chunk():
     c = make_cluster()
-    p = await prefill(c, PROMPT)
-    body = {
-        "prompt": PROMPT,
-        "max_tokens": 5,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "kv_transfer_params": p.json()["kv_transfer_params"],
-    }
-    r = await c.post(D_PORT, "/v1/completions", body)
+    r = await streamed_decode(c, stream_options={"include_usage": True})
     chunks = sse_chunks(r.text)
     assert r.text.endswith("data: [DONE]\n\n")
     finish = [ch for ch in chunks if ch["choices"] and ch["choices"][0]["finish_reason"]]
@@ -301,15 +300,7 @@ async def test_streamed_decode_puts_handle_on_finish_chunk():
 
 async def test_compat_032_streams_carry_no_handle_but_d_still_pins_blocks():
     c = make_cluster(d={"compat": "0.32"})
-    p = await prefill(c, PROMPT)
-    body = {
-        "prompt": PROMPT,
-        "max_tokens": 5,
-        "ignore_eos": True,
-        "stream": True,
-        "kv_transfer_params": p.json()["kv_transfer_params"],
-    }
-    r = await c.post(D_PORT, "/v1/completions", body)
+    r = await streamed_decode(c)
     assert all(ch.get("kv_transfer_params") is None for ch in sse_chunks(r.text))
     assert len(c.d.engine.retained) == 1
 

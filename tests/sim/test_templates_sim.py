@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import functools
 import json
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from starlette.applications import Starlette
+from templates_support import CONVERSATION, KNOWN_ERRORS, TEMPLATES_DIR, TOOLS, real_templates
 
 from agentkv.chat import deepseek_tokenizer_path, load_tokenizer
 from agentkv.sim import SimConfig, create_app
@@ -21,56 +21,7 @@ from agentkv.sim.transfer import TransferClient
 
 pytestmark = pytest.mark.anyio
 
-TEMPLATES_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "chat-templates"
-if not TEMPLATES_DIR.is_dir():
-    pytest.skip(
-        f"the real chat templates are not checked out next to the repo ({TEMPLATES_DIR})",
-        allow_module_level=True,
-    )
-TEMPLATES = sorted(p.name for p in TEMPLATES_DIR.glob("*.jinja"))
-
-_APPEND = "access to attribute 'append' of 'list' object is unsafe."
-# The templates that cannot render vLLM's messages for a conversation with a tool call, and
-# their own error (see tests/sim/test_template.py for why).
-KNOWN_ERRORS = {
-    "deepseek-v3.1.jinja": 'can only concatenate str (not "dict") to str',
-    "devstral-small-2507-unsloth.jinja": "list object has no element 0",
-    "kimi-k2-instruct-0905.jinja": _APPEND,
-    "kimi-k2-thinking.jinja": _APPEND,
-}
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Get the current weather for a city.",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string", "description": "City name"}},
-                "required": ["city"],
-            },
-        },
-    }
-]
-CONVERSATION = [
-    {"role": "system", "content": "You are a helpful assistant."},
-    {"role": "user", "content": "What's the weather in Paris?"},
-    {
-        "role": "assistant",
-        "content": None,
-        "reasoning": "The user wants the weather in Paris; call the tool.",
-        "tool_calls": [
-            {
-                "id": "call12345",  # Mistral templates want 9 alphanumerics
-                "type": "function",
-                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
-            }
-        ],
-    },
-    {"role": "tool", "tool_call_id": "call12345", "content": '{"temp_c": 18, "sky": "cloudy"}'},
-    {"role": "assistant", "content": "It is 18 °C and cloudy in Paris."},
-    {"role": "user", "content": "And in Berlin?"},
-]
+TEMPLATES = real_templates()
 QUESTION = [{"role": "user", "content": "What's the weather in Berlin?"}]
 TRANSFER = TransferClient()  # nothing here moves KV between instances
 

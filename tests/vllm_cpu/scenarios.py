@@ -204,35 +204,9 @@ def rewrite(stack: Stack, router: str | None = None, name: str = "rewrite") -> l
         "ignore_eos": True,
         "kv_transfer_params": {"prompt_token_ids": ids},
     }
-    if stack.real:
-        body |= {"logprobs": True, "top_logprobs": 5}
-    before, started = stack.pulled(), time.perf_counter()
-    r = httpx.post(
-        f"{base}/v1/chat/completions",
-        json=body,
-        timeout=300,
-        headers={"X-Conversation-Id": conv.id, "X-AgentKV-Epoch": "0"},
-    )
-    assert r.status_code == 200, r.text
-    data = r.json()
-    usage = data["usage"]
-    record = Turn(
-        name,
-        4,
-        r.headers.get("x-agentkv-decision"),
-        int(stack.pulled() - before),
-        usage["prompt_tokens"],
-        (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
-        None,
-        time.perf_counter() - started,
-        _int(r.headers.get("x-agentkv-reused-tokens")),
-    )
+    record, _, top = post_turn(stack, base, body, name, 4, conv.id, 0)
     stack.settle()
-    if stack.real:
-        top = {
-            t["token"]: t["logprob"]
-            for t in data["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
-        }
+    if top is not None:
         record.logprob_diff = stack.recompute_diff(ids, top)
     stack.records.append(record)
     out.append(record)
@@ -319,11 +293,23 @@ def raw_turn(
         "return_token_ids": True,
         "kv_transfer_params": {"prompt_token_ids": ids},
     }
+    record, data, top = post_turn(stack, stack.router, body, name, n, conv_id, epoch)
+    if top is not None:
+        stack.pending.append((record, ids, top))
+    stack.records.append(record)
+    return record, list(data["choices"][0]["token_ids"])
+
+
+def post_turn(
+    stack: Stack, base: str, body: dict[str, Any], name: str, n: int, conv_id: str, epoch: int
+) -> tuple[Turn, dict[str, Any], dict[str, float] | None]:
+    """Send a hand-made chat turn through the router at ``base``: its Turn (no logprob diff
+    yet), the response body, and (real engine) the first token's top logprobs."""
     if stack.real:
         body |= {"logprobs": True, "top_logprobs": 5}
     before, started = stack.pulled(), time.perf_counter()
     r = httpx.post(
-        f"{stack.router}/v1/chat/completions",
+        f"{base}/v1/chat/completions",
         json=body,
         timeout=300,
         headers={"X-Conversation-Id": conv_id, "X-AgentKV-Epoch": str(epoch)},
@@ -342,14 +328,13 @@ def raw_turn(
         time.perf_counter() - started,
         _int(r.headers.get("x-agentkv-reused-tokens")),
     )
-    if stack.real:
-        top = {
-            t["token"]: t["logprob"]
-            for t in data["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
-        }
-        stack.pending.append((record, ids, top))
-    stack.records.append(record)
-    return record, list(data["choices"][0]["token_ids"])
+    if not stack.real:
+        return record, data, None
+    top = {
+        t["token"]: t["logprob"]
+        for t in data["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+    }
+    return record, data, top
 
 
 def new_epoch(stack: Stack) -> list[Turn]:

@@ -22,6 +22,7 @@ from scenarios import (
     RESULTS,
     ROWS,
     Stack,
+    Turn,
     after_ttl,
     branches,
     dropped_stream,
@@ -33,11 +34,23 @@ from scenarios import (
 )
 
 pytestmark = [pytest.mark.vllm_cpu, pytest.mark.timeout(900)]
+ENGINES = pytest.mark.parametrize("engine", ["vllm", "sim"])
 
 
-@pytest.mark.parametrize("engine", ["vllm", "sim"])
-def test_stale_handle_is_released_at_once(engine, request):
+@pytest.fixture
+def stack(engine: str, request: pytest.FixtureRequest) -> Stack:
+    """The deployment the test runs on: real vLLM, or the simulator replaying it."""
     stack: Stack = request.getfixturevalue("real" if engine == "vllm" else "sim")
+    return stack
+
+
+def assert_exact(turns: list[Turn]) -> None:
+    for t in turns:
+        assert t.logprob_diff is None or t.logprob_diff <= 1e-5, t
+
+
+@ENGINES
+def test_stale_handle_is_released_at_once(engine, stack):
     base, held, after = early_release(stack)
     assert held > base
     # runs first, on fresh engines, so no other handle expires meanwhile. The first turn's
@@ -46,9 +59,8 @@ def test_stale_handle_is_released_at_once(engine, request):
     assert after - base <= (held - base) + 3, (base, held, after)
 
 
-@pytest.mark.parametrize("engine", ["vllm", "sim"])
-def test_six_turns_pull_every_turn_and_are_exact(engine, request):
-    stack: Stack = request.getfixturevalue("real" if engine == "vllm" else "sim")
+@ENGINES
+def test_six_turns_pull_every_turn_and_are_exact(engine, stack):
     turns = six_turns(stack)
     RESULTS[engine]["six-turns"] = turns
     assert turns[0].decision == "miss" and turns[0].pulled == 0
@@ -57,11 +69,10 @@ def test_six_turns_pull_every_turn_and_are_exact(engine, request):
         # P's own cache has the previous prompt's full blocks; D gives the rest of what it holds
         # (prompt + answer - 1); P reports both as cached
         assert t.cached_tokens == prev.prompt_tokens + OUT - 1, (prev, t)
-    for t in turns:
-        assert t.logprob_diff is None or t.logprob_diff <= 1e-5, t
+    assert_exact(turns)
 
 
-@pytest.mark.parametrize("engine", ["vllm", "sim"])
+@ENGINES
 def test_receipts_equal_what_p_read(engine, request):
     """The receipt's reused tokens are what P really read from D (its external_kv_transfer
     counter), not what D's handle holds: P had the rest in its own prefix cache (L, from its KV
@@ -74,17 +85,15 @@ def test_receipts_equal_what_p_read(engine, request):
     assert abs(sum(t.reused or 0 for t in turns) - sum(t.pulled for t in turns)) <= 32
 
 
-@pytest.mark.parametrize("engine", ["vllm", "sim"])
-def test_rewrite_is_trimmed_and_stays_exact(engine, request):
-    stack: Stack = request.getfixturevalue("real" if engine == "vllm" else "sim")
+@ENGINES
+def test_rewrite_is_trimmed_and_stays_exact(engine, stack):
     turns = rewrite(stack)
     RESULTS[engine]["rewrite"] = turns
     rewritten = turns[3]
     assert rewritten.decision in ("pull", "local", "stale", "recompute"), rewritten
     # P holds the surviving prefix itself: nothing of D's is worth reading
     assert rewritten.pulled == 0, rewritten
-    for t in turns:
-        assert t.logprob_diff is None or t.logprob_diff <= 1e-5, t
+    assert_exact(turns)
 
 
 def test_unverified_policy_reads_wrong_kv_on_the_real_engine(real, unverified_router):
@@ -94,20 +103,18 @@ def test_unverified_policy_reads_wrong_kv_on_the_real_engine(real, unverified_ro
     assert turns[3].logprob_diff is not None and turns[3].logprob_diff > 1e-3, turns[3]
 
 
-@pytest.mark.parametrize("engine", ["vllm", "sim"])
-def test_turn_after_the_ttl_is_not_sent_the_handle(engine, request):
-    stack: Stack = request.getfixturevalue("real" if engine == "vllm" else "sim")
+@ENGINES
+def test_turn_after_the_ttl_is_not_sent_the_handle(engine, stack):
     t = after_ttl(stack, wait_s=21)
     RESULTS[engine]["after-ttl"] = [t]
     assert t.decision == "expired" and t.pulled == 0
     assert t.seconds < 60
 
 
-@pytest.mark.parametrize("engine", ["vllm", "sim"])
-def test_streamed_turns_pull_without_buffered_decode(engine, request):
+@ENGINES
+def test_streamed_turns_pull_without_buffered_decode(engine, stack):
     """vLLM 0.33: D's handle is on the streamed finish chunk, so the router relays D's stream as
     it comes (the deployment says so) and still stores the handle: every later turn pulls."""
-    stack: Stack = request.getfixturevalue("real" if engine == "vllm" else "sim")
     turns = streaming(stack)
     RESULTS[engine]["streaming"] = turns
     assert [t.decision for t in turns] == ["miss", "pull", "pull"]
@@ -116,30 +123,25 @@ def test_streamed_turns_pull_without_buffered_decode(engine, request):
         assert all(t.stream_spread_s is not None and t.stream_spread_s > 0.1 for t in turns)
 
 
-@pytest.mark.parametrize("engine", ["vllm", "sim"])
-def test_a_new_epoch_still_pulls_its_verified_history(engine, request):
-    stack: Stack = request.getfixturevalue("real" if engine == "vllm" else "sim")
+@ENGINES
+def test_a_new_epoch_still_pulls_its_verified_history(engine, stack):
     turns = new_epoch(stack)
     RESULTS[engine]["new-epoch"] = turns
     assert turns[2].decision == "pull" and turns[2].pulled > 0, turns[2]
-    for t in turns:
-        assert t.logprob_diff is None or t.logprob_diff <= 1e-5, t
+    assert_exact(turns)
 
 
-@pytest.mark.parametrize("engine", ["vllm", "sim"])
-def test_two_branches_on_one_id_keep_their_own_handles(engine, request):
-    stack: Stack = request.getfixturevalue("real" if engine == "vllm" else "sim")
+@ENGINES
+def test_two_branches_on_one_id_keep_their_own_handles(engine, stack):
     turns = branches(stack)
     RESULTS[engine]["branches"] = turns
     for t in turns[2:]:
         assert t.decision == "pull" and t.pulled > 0, t
-    for t in turns:
-        assert t.logprob_diff is None or t.logprob_diff <= 1e-5, t
+    assert_exact(turns)
 
 
-@pytest.mark.parametrize("engine", ["vllm", "sim"])
-def test_a_dropped_stream_keeps_ds_next_handle(engine, request):
-    stack: Stack = request.getfixturevalue("real" if engine == "vllm" else "sim")
+@ENGINES
+def test_a_dropped_stream_keeps_ds_next_handle(engine, stack):
     turns = dropped_stream(stack)
     RESULTS[engine]["dropped-stream"] = turns
     resent, after = turns[1], turns[2]
