@@ -7,6 +7,7 @@ import importlib.util
 from typing import Any
 
 import pytest
+import weather
 from _sim import Scripts, answer, tool_call
 from integration_support import LOWER_BOUNDS, MODEL, Recorder
 from langchain_agentkv import ChatAgentKV, LangGraphStore
@@ -19,24 +20,14 @@ from langgraph.prebuilt import ToolNode, tools_condition
 from langgraph.store.memory import InMemoryStore
 from pydantic import BaseModel
 from stack import Stack
+from weather import tool_round
 
 pytestmark = pytest.mark.e2e
 
 SYSTEM = "You are a careful assistant. " + " ".join(f"Rule {i}: be brief." for i in range(20))
 
 
-@tool
-def get_weather(city: str) -> str:
-    """The weather in a city."""
-    return f"It is sunny and 21 C in {city}."
-
-
-@tool
-def add(a: int, b: int) -> int:
-    """Add two integers."""
-    return a + b
-
-
+get_weather, add = tool(weather.get_weather), tool(weather.add)  # the examples' tools
 TOOLS = [get_weather, add]
 
 
@@ -66,10 +57,6 @@ def react_graph(
     graph.add_conditional_edges("agent", tools_condition)
     graph.add_edge("tools", "agent")
     return graph.compile(checkpointer=checkpointer or InMemorySaver())
-
-
-def tool_round(city: str, a: int, b: int, text: str) -> list[dict[str, Any]]:
-    return [tool_call("get_weather", city=city), tool_call("add", a=a, b=b), answer(text)]
 
 
 def model_for(sdk_clients: Any, recorder: Recorder, **kwargs: Any) -> ChatAgentKV:
