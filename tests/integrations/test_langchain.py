@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import weather
 from _sim import Scripts, answer, tool_call
-from integration_support import LOWER_BOUNDS, MODEL, Recorder
+from integration_support import LOWER_BOUNDS, MODEL, SYSTEM, Recorder, adapter_settings
 from langchain_agentkv import ChatAgentKV, LangGraphStore
 from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.messages.utils import trim_messages
@@ -23,8 +23,6 @@ from stack import Stack
 from weather import tool_round
 
 pytestmark = pytest.mark.e2e
-
-SYSTEM = "You are a careful assistant. " + " ".join(f"Rule {i}: be brief." for i in range(20))
 
 
 get_weather, add = tool(weather.get_weather), tool(weather.add)  # the examples' tools
@@ -60,15 +58,7 @@ def react_graph(
 
 
 def model_for(sdk_clients: Any, recorder: Recorder, **kwargs: Any) -> ChatAgentKV:
-    client, async_client = sdk_clients
-    return ChatAgentKV(
-        model=MODEL,
-        client=client,
-        async_client=async_client,
-        max_tokens=200,
-        on_turn=recorder,
-        **kwargs,
-    )
+    return ChatAgentKV(**adapter_settings(sdk_clients, recorder), **kwargs)
 
 
 def test_react_agent_keeps_one_conversation_per_thread_token_exact(

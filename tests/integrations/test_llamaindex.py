@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 from _sim import Scripts, answer
-from integration_support import MODEL, Recorder
+from integration_support import MODEL, SYSTEM, Recorder, adapter_settings
 from llama_index.core.agent.workflow import FunctionAgent, ReActAgent
 from llama_index.core.llms import ChatMessage
 from llama_index.core.memory import FactExtractionMemoryBlock, Memory
@@ -25,19 +25,10 @@ pytestmark = [
 ]
 
 MEMORY_DB = "sqlite+aiosqlite:///:memory:"  # LlamaIndex Memory's own default store
-SYSTEM = "You are a careful assistant. " + " ".join(f"Rule {i}: be brief." for i in range(20))
 
 
 def llm_for(sdk_clients: Any, recorder: Recorder, **kwargs: Any) -> AgentKV:
-    client, async_client = sdk_clients
-    return AgentKV(
-        model=MODEL,
-        client=client,
-        async_client=async_client,
-        max_tokens=200,
-        on_turn=recorder,
-        **kwargs,
-    )
+    return AgentKV(**adapter_settings(sdk_clients, recorder), **kwargs)
 
 
 @pytest.mark.parametrize("streaming", [True, False])

@@ -18,13 +18,11 @@ from agents import (
     set_tracing_disabled,
 )
 from agents.memory import SessionSettings
-from integration_support import MODEL, Recorder
+from integration_support import MODEL, SYSTEM, Recorder
 from stack import Stack
 from weather import tool_round
 
 pytestmark = pytest.mark.e2e
-
-SYSTEM = "You are a careful assistant. " + " ".join(f"Rule {i}: be brief." for i in range(20))
 
 
 @pytest.fixture(autouse=True)
