@@ -1,4 +1,4 @@
-"""What every example shares: its command line and the per-turn receipt line."""
+"""What every example shares: its command line, its connection and the per-turn receipt line."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import argparse
 import os
 import uuid
 from typing import Any
+
+from _sim import Scripts, clients
 
 import agentkv
 
@@ -26,6 +28,15 @@ def arguments(description: str) -> argparse.Namespace:
         "calls the tools (leave it off against a real model)",
     )
     return parser.parse_args()
+
+
+def connection(args: argparse.Namespace, scripts: Scripts) -> dict[str, Any]:
+    """An adapter's connection arguments: with ``--simulate-tools``, agentkv clients whose chat
+    requests carry ``scripts`` (``client``, ``async_client``), else ``base_url`` and ``api_key``."""
+    if not args.simulate_tools:
+        return {"base_url": args.base_url, "api_key": args.api_key}
+    client, async_client = clients(args.base_url, scripts, args.api_key)
+    return {"client": client, "async_client": async_client}
 
 
 RUN = uuid.uuid4().hex[:8]

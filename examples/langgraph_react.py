@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from _common import arguments, conversation_id, print_receipt, print_summary
-from _sim import Scripts, answer, clients, tool_call
+from _common import arguments, connection, conversation_id, print_receipt, print_summary
 from langchain_agentkv import ChatAgentKV
 from langchain_core.messages import AnyMessage, HumanMessage, RemoveMessage, SystemMessage
 from langchain_core.tools import tool
@@ -22,29 +21,18 @@ from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.graph.message import REMOVE_ALL_MESSAGES
 from langgraph.prebuilt import ToolNode, tools_condition
+from weather import QUESTIONS, SYSTEM, add, get_weather, scripted
 
-SYSTEM = SystemMessage("You are a helpful assistant. Use the tools.")
+SYSTEM_MESSAGE = SystemMessage(SYSTEM)
 SUMMARIZE_AFTER = 8  # messages in the state before the summary step runs
 
 
-@tool
-def get_weather(city: str) -> str:
-    """The weather in a city."""
-    return f"It is sunny and 21 C in {city}."
-
-
-@tool
-def add(a: int, b: int) -> int:
-    """Add two integers."""
-    return a + b
-
-
 def build(model: ChatAgentKV) -> Any:
-    tools = [get_weather, add]
+    tools = [tool(get_weather), tool(add)]
     agent_model = model.bind_tools(tools)
 
     def agent(state: MessagesState) -> dict[str, list[AnyMessage]]:
-        return {"messages": [agent_model.invoke([SYSTEM, *state["messages"]])]}
+        return {"messages": [agent_model.invoke([SYSTEM_MESSAGE, *state["messages"]])]}
 
     def summarize(state: MessagesState) -> dict[str, list[Any]]:
         # Keep the last exchange (from the last user message on); summarize what is before it.
@@ -74,30 +62,16 @@ def build(model: ChatAgentKV) -> Any:
 
 def main() -> None:
     args = arguments(__doc__ or "")
-    settings: dict[str, Any] = {"model": args.model, "max_tokens": 256, "on_turn": print_receipt}
-    if args.simulate_tools:
-        scripts = Scripts(
-            [
-                tool_call("get_weather", city="Paris"),
-                tool_call("add", a=19, b=23),
-                answer("Paris is sunny, and 19 + 23 = 42."),
-                tool_call("get_weather", city="Rome"),
-                answer("Rome is sunny too."),
-                answer("The user asked about the weather in Paris and Rome, and 19 + 23."),
-                answer("You asked about Paris, Rome and a sum."),
-            ]
-        )
-        client, async_client = clients(args.base_url, scripts, args.api_key)
-        model = ChatAgentKV(client=client, async_client=async_client, **settings)
-    else:
-        model = ChatAgentKV(base_url=args.base_url, api_key=args.api_key, **settings)
+    scripts = scripted(
+        "The user asked about the weather in Paris and Rome, and 19 + 23.",  # the summary
+        "You asked about Paris, Rome and a sum.",
+    )
+    model = ChatAgentKV(
+        model=args.model, max_tokens=256, on_turn=print_receipt, **connection(args, scripts)
+    )
     app = build(model)
     config: Any = {"configurable": {"thread_id": conversation_id("langgraph-example")}}
-    for question in (
-        "What is the weather in Paris, and what is 19 + 23?",
-        "And in Rome?",
-        "What did I ask you so far?",
-    ):
+    for question in (*QUESTIONS, "What did I ask you so far?"):
         print(f"user: {question}")
         state = app.invoke({"messages": [HumanMessage(question)]}, config)
         print(f"assistant: {state['messages'][-1].text}")

@@ -11,31 +11,16 @@ agentkv sees a rewrite and moves the conversation to a new epoch.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
-from _common import arguments, conversation_id, print_receipt, print_summary
-from _sim import Scripts, answer, clients, tool_call
+from _common import arguments, connection, conversation_id, print_receipt, print_summary
 from llama_index.core.agent.workflow import FunctionAgent
 from llama_index.core.memory import Memory
 from llama_index.llms.agentkv import AgentKV, session
-
-
-def get_weather(city: str) -> str:
-    """The weather in a city."""
-    return f"It is sunny and 21 C in {city}."
-
-
-def add(a: int, b: int) -> int:
-    """Add two integers."""
-    return a + b
+from weather import QUESTIONS, SYSTEM, add, get_weather, scripted
 
 
 async def run(llm: AgentKV) -> None:
-    agent = FunctionAgent(
-        tools=[get_weather, add],
-        llm=llm,
-        system_prompt="You are a helpful assistant. Use the tools.",
-    )
+    agent = FunctionAgent(tools=[get_weather, add], llm=llm, system_prompt=SYSTEM)
     # A small short-term memory, so that old messages are flushed during the example.
     memory = Memory.from_defaults(
         session_id=conversation_id("llamaindex-example"),
@@ -44,11 +29,7 @@ async def run(llm: AgentKV) -> None:
         token_flush_size=60,
     )
     with session(memory):
-        for question in (
-            "What is the weather in Paris, and what is 19 + 23?",
-            "And in Rome?",
-            "What did I ask you so far?",
-        ):
+        for question in (*QUESTIONS, "What did I ask you so far?"):
             print(f"user: {question}")
             response = await agent.run(question, memory=memory)
             print(f"assistant: {response}")
@@ -57,22 +38,10 @@ async def run(llm: AgentKV) -> None:
 
 def main() -> None:
     args = arguments(__doc__ or "")
-    settings: dict[str, Any] = {"model": args.model, "max_tokens": 256, "on_turn": print_receipt}
-    if args.simulate_tools:
-        scripts = Scripts(
-            [
-                tool_call("get_weather", city="Paris"),
-                tool_call("add", a=19, b=23),
-                answer("Paris is sunny, and 19 + 23 = 42."),
-                tool_call("get_weather", city="Rome"),
-                answer("Rome is sunny too."),
-                answer("You asked about Paris, Rome and a sum."),
-            ]
-        )
-        client, async_client = clients(args.base_url, scripts, args.api_key)
-        llm = AgentKV(client=client, async_client=async_client, **settings)
-    else:
-        llm = AgentKV(base_url=args.base_url, api_key=args.api_key, **settings)
+    scripts = scripted("You asked about Paris, Rome and a sum.")
+    llm = AgentKV(
+        model=args.model, max_tokens=256, on_turn=print_receipt, **connection(args, scripts)
+    )
     asyncio.run(run(llm))
     print_summary()
 

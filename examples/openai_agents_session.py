@@ -21,38 +21,21 @@ for the process.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
-from _common import arguments, conversation_id, print_receipt, print_summary
-from _sim import Scripts, answer, clients, tool_call
+from _common import arguments, connection, conversation_id, print_receipt, print_summary
 from agentkv_openai_agents import AgentKVModelProvider, conversation
 from agents import Agent, RunConfig, Runner, SQLiteSession, function_tool, set_tracing_disabled
 from agents.memory import SessionSettings
-
-
-@function_tool
-def get_weather(city: str) -> str:
-    """The weather in a city."""
-    return f"It is sunny and 21 C in {city}."
-
-
-@function_tool
-def add(a: int, b: int) -> int:
-    """Add two integers."""
-    return a + b
+from weather import QUESTIONS, SYSTEM, add, get_weather, scripted
 
 
 async def run(provider: AgentKVModelProvider, model: str) -> None:
-    agent = Agent(
-        name="assistant",
-        instructions="You are a helpful assistant. Use the tools.",
-        tools=[get_weather, add],
-        model=model,
-    )
+    tools = [function_tool(get_weather), function_tool(add)]
+    agent = Agent(name="assistant", instructions=SYSTEM, tools=tools, model=model)
     session = SQLiteSession(conversation_id("agents-example"))
     config = RunConfig(model_provider=provider)
     with conversation(session):
-        for question in ("What is the weather in Paris, and what is 19 + 23?", "And in Rome?"):
+        for question in QUESTIONS:
             print(f"user: {question}")
             result = await Runner.run(agent, question, session=session, run_config=config)
             print(f"assistant: {result.final_output}")
@@ -71,22 +54,10 @@ def main() -> None:
     # No trace export to OpenAI from a local example (see the module docstring for how to
     # export with set_tracing_export_api_key or to a processor of your own).
     set_tracing_disabled(True)
-    settings: dict[str, Any] = {"model": args.model, "on_turn": print_receipt}
-    if args.simulate_tools:
-        scripts = Scripts(
-            [
-                tool_call("get_weather", city="Paris"),
-                tool_call("add", a=19, b=23),
-                answer("Paris is sunny, and 19 + 23 = 42."),
-                tool_call("get_weather", city="Rome"),
-                answer("Rome is sunny too."),
-                answer("You asked about the weather in Rome."),
-            ]
-        )
-        _, async_client = clients(args.base_url, scripts, args.api_key)
-        provider = AgentKVModelProvider(async_client=async_client, **settings)
-    else:
-        provider = AgentKVModelProvider(base_url=args.base_url, api_key=args.api_key, **settings)
+    scripts = scripted("You asked about the weather in Rome.")
+    provider = AgentKVModelProvider(
+        model=args.model, on_turn=print_receipt, **connection(args, scripts)
+    )
     asyncio.run(run(provider, args.model))
     print_summary()
 

@@ -13,7 +13,8 @@ import json
 from typing import Any
 
 from _common import arguments, print_receipt, print_summary
-from _sim import Scripts, answer, clients, tool_call
+from _sim import clients
+from weather import QUESTIONS, SYSTEM, add, get_weather, scripted
 
 import agentkv
 
@@ -47,31 +48,21 @@ TOOLS = [
 
 def run_tool(name: str, args: dict[str, Any]) -> str:
     if name == "get_weather":
-        return f"It is sunny and 21 C in {args['city']}."
+        return get_weather(args["city"])
     if name == "add":
-        return str(int(args["a"]) + int(args["b"]))
+        return str(add(int(args["a"]), int(args["b"])))
     return f"unknown tool {name}"
 
 
 def main() -> None:
     args = arguments(__doc__ or "")
     if args.simulate_tools:
-        scripts = Scripts(
-            [
-                tool_call("get_weather", city="Paris"),
-                tool_call("add", a=19, b=23),
-                answer("Paris is sunny (21 C), and 19 + 23 = 42."),
-                tool_call("get_weather", city="Rome"),
-                answer("Rome is sunny too."),
-            ]
-        )
+        scripts = scripted(paris="Paris is sunny (21 C), and 19 + 23 = 42.")
         client, _ = clients(args.base_url, scripts, args.api_key)
     else:
         client = agentkv.Client(base_url=args.base_url, api_key=args.api_key)
-    conv = client.conversation(
-        model=args.model, system="You are a helpful assistant. Use the tools.", tools=TOOLS
-    )
-    for question in ("What is the weather in Paris, and what is 19 + 23?", "And in Rome?"):
+    conv = client.conversation(model=args.model, system=SYSTEM, tools=TOOLS)
+    for question in QUESTIONS:
         print(f"user: {question}")
         conv.add_user(question)
         while True:

@@ -19,6 +19,7 @@ ADAPTER_SOURCES = [
     if (folder / "pyproject.toml").is_file()
 ]
 MODEL = "agentkv-sim"
+SYSTEM = "You are a careful assistant. " + " ".join(f"Rule {i}: be brief." for i in range(20))
 # .ci/run's lower-bounds stage: the frameworks at their declared floors (.ci/lower-bounds.txt)
 LOWER_BOUNDS = os.environ.get("AGENTKV_LOWER_BOUNDS") == "1"
 # P without a local prefix cache: every reused token is a verified read of D's KV.
@@ -78,3 +79,16 @@ def assert_rewrite_reads_only_what_survived(receipt: agentkv.TurnReceipt) -> Non
         survived = receipt.rewrite.surviving_tokens
         reused = receipt.reused_tokens or 0
         assert reused > 0 and (survived is None or reused <= survived), receipt
+
+
+def adapter_settings(sdk_clients: tuple[Any, Any], recorder: Recorder) -> dict[str, Any]:
+    """A chat model's arguments in these tests: the served model, the scripted agentkv clients
+    (the ``sdk_clients`` fixture), short answers, and ``recorder`` as ``on_turn``."""
+    client, async_client = sdk_clients
+    return {
+        "model": MODEL,
+        "client": client,
+        "async_client": async_client,
+        "max_tokens": 200,
+        "on_turn": recorder,
+    }

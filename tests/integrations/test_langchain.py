@@ -7,8 +7,9 @@ import importlib.util
 from typing import Any
 
 import pytest
+import weather
 from _sim import Scripts, answer, tool_call
-from integration_support import LOWER_BOUNDS, MODEL, Recorder
+from integration_support import LOWER_BOUNDS, MODEL, SYSTEM, Recorder, adapter_settings
 from langchain_agentkv import ChatAgentKV, LangGraphStore
 from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.messages.utils import trim_messages
@@ -19,24 +20,12 @@ from langgraph.prebuilt import ToolNode, tools_condition
 from langgraph.store.memory import InMemoryStore
 from pydantic import BaseModel
 from stack import Stack
+from weather import tool_round
 
 pytestmark = pytest.mark.e2e
 
-SYSTEM = "You are a careful assistant. " + " ".join(f"Rule {i}: be brief." for i in range(20))
 
-
-@tool
-def get_weather(city: str) -> str:
-    """The weather in a city."""
-    return f"It is sunny and 21 C in {city}."
-
-
-@tool
-def add(a: int, b: int) -> int:
-    """Add two integers."""
-    return a + b
-
-
+get_weather, add = tool(weather.get_weather), tool(weather.add)  # the examples' tools
 TOOLS = [get_weather, add]
 
 
@@ -68,20 +57,8 @@ def react_graph(
     return graph.compile(checkpointer=checkpointer or InMemorySaver())
 
 
-def tool_round(city: str, a: int, b: int, text: str) -> list[dict[str, Any]]:
-    return [tool_call("get_weather", city=city), tool_call("add", a=a, b=b), answer(text)]
-
-
 def model_for(sdk_clients: Any, recorder: Recorder, **kwargs: Any) -> ChatAgentKV:
-    client, async_client = sdk_clients
-    return ChatAgentKV(
-        model=MODEL,
-        client=client,
-        async_client=async_client,
-        max_tokens=200,
-        on_turn=recorder,
-        **kwargs,
-    )
+    return ChatAgentKV(**adapter_settings(sdk_clients, recorder), **kwargs)
 
 
 def test_react_agent_keeps_one_conversation_per_thread_token_exact(

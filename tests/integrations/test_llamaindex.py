@@ -6,14 +6,15 @@ import asyncio
 from typing import Any
 
 import pytest
-from _sim import Scripts, answer, tool_call
-from integration_support import MODEL, Recorder
+from _sim import Scripts, answer
+from integration_support import MODEL, SYSTEM, Recorder, adapter_settings
 from llama_index.core.agent.workflow import FunctionAgent, ReActAgent
 from llama_index.core.llms import ChatMessage
 from llama_index.core.memory import FactExtractionMemoryBlock, Memory
 from llama_index.llms.agentkv import AgentKV, session
 from sqlalchemy.ext.asyncio import create_async_engine
 from stack import Stack
+from weather import add, get_weather, tool_round  # the examples' tools
 
 pytestmark = [
     pytest.mark.e2e,
@@ -24,33 +25,10 @@ pytestmark = [
 ]
 
 MEMORY_DB = "sqlite+aiosqlite:///:memory:"  # LlamaIndex Memory's own default store
-SYSTEM = "You are a careful assistant. " + " ".join(f"Rule {i}: be brief." for i in range(20))
-
-
-def get_weather(city: str) -> str:
-    """The weather in a city."""
-    return f"It is sunny and 21 C in {city}."
-
-
-def add(a: int, b: int) -> int:
-    """Add two integers."""
-    return a + b
-
-
-def tool_round(city: str, a: int, b: int, text: str) -> list[dict[str, Any]]:
-    return [tool_call("get_weather", city=city), tool_call("add", a=a, b=b), answer(text)]
 
 
 def llm_for(sdk_clients: Any, recorder: Recorder, **kwargs: Any) -> AgentKV:
-    client, async_client = sdk_clients
-    return AgentKV(
-        model=MODEL,
-        client=client,
-        async_client=async_client,
-        max_tokens=200,
-        on_turn=recorder,
-        **kwargs,
-    )
+    return AgentKV(**adapter_settings(sdk_clients, recorder), **kwargs)
 
 
 @pytest.mark.parametrize("streaming", [True, False])

@@ -6,6 +6,7 @@ import asyncio
 from typing import Any
 
 import pytest
+import weather
 from _sim import Scripts, answer, tool_call
 from agentkv_openai_agents import AgentKVModelProvider, conversation
 from agents import (
@@ -17,12 +18,11 @@ from agents import (
     set_tracing_disabled,
 )
 from agents.memory import SessionSettings
-from integration_support import MODEL, Recorder
+from integration_support import MODEL, SYSTEM, Recorder
 from stack import Stack
+from weather import tool_round
 
 pytestmark = pytest.mark.e2e
-
-SYSTEM = "You are a careful assistant. " + " ".join(f"Rule {i}: be brief." for i in range(20))
 
 
 @pytest.fixture(autouse=True)
@@ -30,23 +30,8 @@ def _no_trace_export() -> None:
     set_tracing_disabled(True)  # the SDK would export traces to OpenAI otherwise
 
 
-@function_tool
-def get_weather(city: str) -> str:
-    """The weather in a city."""
-    return f"It is sunny and 21 C in {city}."
-
-
-@function_tool
-def add(a: int, b: int) -> int:
-    """Add two integers."""
-    return a + b
-
-
-AGENT = Agent(name="assistant", instructions=SYSTEM, tools=[get_weather, add], model=MODEL)
-
-
-def tool_round(city: str, a: int, b: int, text: str) -> list[dict[str, Any]]:
-    return [tool_call("get_weather", city=city), tool_call("add", a=a, b=b), answer(text)]
+TOOLS = [function_tool(weather.get_weather), function_tool(weather.add)]  # the examples' tools
+AGENT = Agent(name="assistant", instructions=SYSTEM, tools=TOOLS, model=MODEL)
 
 
 def provider_for(sdk_clients: Any, recorder: Recorder) -> AgentKVModelProvider:

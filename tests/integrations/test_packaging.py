@@ -3,6 +3,7 @@ never with PyPI's unrelated ``agentkv`` (agentkv is ``vllm-agentkv``; it brings 
 
 from __future__ import annotations
 
+import ast
 import importlib
 import os
 import re
@@ -155,12 +156,57 @@ def test_llama_index_namespace_layout() -> None:
     assert llama_index.core.__file__ and llama_index.llms.agentkv.__file__
 
 
-def test_the_install_checks_are_one_file() -> None:
-    copies = {
-        a.folder: (_module_dir(a) / "_install.py").read_text(encoding="utf-8")
-        for a in ADAPTERS.values()
-    }
-    assert len(set(copies.values())) == 1, sorted(copies)
+def _imported(nodes: list[ast.stmt]) -> list[str]:
+    """The modules ``nodes`` import, in order (nested blocks included)."""
+    found: list[str] = []
+    for node in ast.walk(ast.Module(body=nodes, type_ignores=[])):
+        if isinstance(node, ast.ImportFrom):
+            found.append(node.module or "")
+        elif isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(ADAPTERS))
+def test_adapter_runs_the_shared_install_check_first(name: str) -> None:
+    """One check, ``vllm_agentkv.py`` (vllm-agentkv ships it beside ``agentkv``): every adapter
+    calls it with its own name before anything imports ``agentkv``, and keeps no copy of it."""
+    module_dir = _module_dir(ADAPTERS[name])
+    assert not (module_dir / "_install.py").exists()
+    body = ast.parse((module_dir / "__init__.py").read_text(encoding="utf-8")).body
+    calls = [
+        i
+        for i, node in enumerate(body)
+        if isinstance(node, ast.Expr)
+        and isinstance(node.value, ast.Call)
+        and isinstance(node.value.func, ast.Name)
+        and node.value.func.id == "require_vllm_agentkv"
+        and [ast.literal_eval(a) for a in node.value.args] == [name]
+    ]
+    assert len(calls) == 1, f"{name}: require_vllm_agentkv({name!r}) once"
+    before = _imported(body[: calls[0]])
+    assert before == ["__future__", "vllm_agentkv"], before
+    assert "agentkv" in {m.split(".")[0] for m in _imported(body[calls[0] :])}
+
+
+def test_the_install_check_ships_with_vllm_agentkv() -> None:
+    """A top-level module of the vllm-agentkv distribution (not of ``agentkv``: importing that
+    runs whatever ``agentkv/__init__.py`` is installed), in its wheel and its sdist."""
+    assert _imported(ast.parse((ROOT / "vllm_agentkv.py").read_text()).body) == [
+        "__future__",
+        "base64",
+        "hashlib",
+        "importlib.metadata",
+        "importlib.util",
+        "json",
+        "re",
+        "pathlib",
+        "urllib.parse",
+    ]  # the standard library only
+    build = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["hatch"]["build"]
+    wheel = build["targets"]["wheel"]
+    assert wheel["force-include"]["vllm_agentkv.py"] == "vllm_agentkv.py"
+    assert "vllm_agentkv.py" in build["targets"]["sdist"]["include"]
 
 
 @pytest.mark.parametrize("name", [n for n, a in sorted(ADAPTERS.items()) if a.alias])
@@ -218,7 +264,8 @@ def test_adapter_refuses_the_other_agentkv(name: str, tmp_path: Path) -> None:
     adapter = ADAPTERS[name]
     _fake_foreign_agentkv(tmp_path, package=True)
     source = ROOT / "integrations" / name / adapter.source
-    done = _python(f"import {adapter.module}", [tmp_path, source], tmp_path)
+    # ROOT: this checkout's vllm_agentkv.py (whichever checkout vllm-agentkv is installed from)
+    done = _python(f"import {adapter.module}", [tmp_path, ROOT, source], tmp_path)
     assert done.returncode != 0
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("ImportError: "), done.stderr
@@ -230,14 +277,29 @@ def test_adapter_refuses_the_other_agentkv(name: str, tmp_path: Path) -> None:
 
 
 def test_adapter_without_vllm_agentkv_names_the_fix(tmp_path: Path) -> None:
-    """Only PyPI's ``agentkv`` installed (no site-packages at all: ``-S``)."""
+    """Only PyPI's ``agentkv`` installed (no site-packages at all: ``-S``), and the check's module
+    on the path (a checkout of vllm-agentkv on ``PYTHONPATH``, not installed)."""
     _fake_foreign_agentkv(tmp_path, package=True)
     source = ROOT / "integrations" / "langchain-agentkv" / "src"
-    done = _python("import langchain_agentkv", [tmp_path, source], tmp_path, "-S")
+    done = _python("import langchain_agentkv", [tmp_path, ROOT, source], tmp_path, "-S")
     last = done.stderr.strip().splitlines()[-1]
     assert done.returncode != 0 and last.startswith("ImportError: "), done.stderr
     assert "the distribution vllm-agentkv is not installed, and agentkv 0.9.1 is installed" in last
     assert last.endswith("Fix: pip uninstall agentkv && pip install vllm-agentkv")
+
+
+@pytest.mark.parametrize("name", sorted(ADAPTERS))
+def test_adapter_without_the_install_check_names_the_fix(name: str, tmp_path: Path) -> None:
+    """vllm-agentkv not installed, so neither is its ``vllm_agentkv`` module: the adapter names
+    the install, whatever ``agentkv`` there is (PyPI's here)."""
+    adapter = ADAPTERS[name]
+    _fake_foreign_agentkv(tmp_path, package=True)
+    source = ROOT / "integrations" / name / adapter.source
+    done = _python(f"import {adapter.module}", [tmp_path, source], tmp_path, "-S")
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode != 0, done.stderr
+    assert last == f"ImportError: {name} needs `pip install vllm-agentkv`", done.stderr
+    assert "No module named 'vllm_agentkv'" in done.stderr  # the cause, chained
 
 
 def test_agentkv_warns_about_a_coinstalled_agentkv_distribution(tmp_path: Path) -> None:
@@ -282,6 +344,10 @@ CHECK_VENV = textwrap.dedent(
     assert {"vllm-agentkv", *ADAPTERS} <= names, names
     import agentkv, agentkv.pool
     assert agentkv.__file__.startswith(SITE), agentkv.__file__  # the wheel, not the checkout
+    # the adapters' install check: a top-level module of the wheel, beside agentkv/
+    import vllm_agentkv
+    assert vllm_agentkv.__file__ == f"{SITE}/vllm_agentkv.py", vllm_agentkv.__file__
+    assert "vllm_agentkv.py" in {f.as_posix() for f in md.files("vllm-agentkv")}
     for module in MODULES:
         importlib.import_module(module)
     for alias in ALIASES:

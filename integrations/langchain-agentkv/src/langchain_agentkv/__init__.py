@@ -3,9 +3,11 @@ agentkv conversations (one per LangGraph thread), token-exact and rewrite-safe."
 
 from __future__ import annotations
 
-from langchain_agentkv._install import require_vllm_agentkv
-
-require_vllm_agentkv("langchain-agentkv")  # before agentkv: PyPI's `agentkv` is another
+try:  # before agentkv: PyPI's unrelated `agentkv` has the same import name
+    from vllm_agentkv import require_vllm_agentkv  # shipped by vllm-agentkv
+except ImportError as exc:
+    raise ImportError("langchain-agentkv needs `pip install vllm-agentkv`") from exc
+require_vllm_agentkv("langchain-agentkv")
 
 from agentkv.pool import ConversationPool, MemoryStateStore, StateStore, Turn  # noqa: E402
 from langchain_agentkv.chat_models import ChatAgentKV, to_openai_message  # noqa: E402

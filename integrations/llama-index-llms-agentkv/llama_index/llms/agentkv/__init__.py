@@ -3,9 +3,11 @@ conversations (one per chat session), token-exact and rewrite-safe."""
 
 from __future__ import annotations
 
-from llama_index.llms.agentkv._install import require_vllm_agentkv
-
-require_vllm_agentkv("llama-index-llms-agentkv")  # before agentkv: PyPI's `agentkv` is another
+try:  # before agentkv: PyPI's unrelated `agentkv` has the same import name
+    from vllm_agentkv import require_vllm_agentkv  # shipped by vllm-agentkv
+except ImportError as exc:
+    raise ImportError("llama-index-llms-agentkv needs `pip install vllm-agentkv`") from exc
+require_vllm_agentkv("llama-index-llms-agentkv")
 
 from llama_index.llms.agentkv.base import AgentKV, session, to_openai_message  # noqa: E402
 

@@ -1,12 +1,13 @@
-"""Before this adapter imports ``agentkv``: is it vllm-agentkv's?
+"""Is ``import agentkv`` vllm-agentkv's? The check agentkv's framework adapters run first.
 
 agentkv is published as ``vllm-agentkv`` (import name ``agentkv``). PyPI's ``agentkv`` is an
 unrelated project whose import package is also ``agentkv``; with it installed, ``import agentkv``
-runs that project's code, where agentkv's own checks cannot run. So each adapter checks here,
-from the installed metadata, that the distribution ``vllm-agentkv`` is installed and that the
-module ``agentkv`` resolves to its files: its RECORD (the file and its hash), its editable
+runs that project's code, where agentkv's own checks cannot run. So this module lives beside the
+``agentkv`` package, not in it (vllm-agentkv installs both; standard library only), and each
+adapter in ``integrations/`` calls :func:`require_vllm_agentkv` before it imports ``agentkv``. It
+checks, from the installed metadata, that the distribution ``vllm-agentkv`` is installed and that
+the module ``agentkv`` resolves to its files: its RECORD (the file and its hash), its editable
 checkout (PEP 610 ``direct_url.json``), or a vllm-agentkv source tree next to the module.
-(The same file in each adapter of ``integrations/``; a test keeps the copies identical.)
 """
 
 from __future__ import annotations
