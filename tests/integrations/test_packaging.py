@@ -206,7 +206,7 @@ def test_the_install_check_ships_with_vllm_agentkv() -> None:
     build = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["hatch"]["build"]
     wheel = build["targets"]["wheel"]
     assert wheel["force-include"]["vllm_agentkv.py"] == "vllm_agentkv.py"
-    assert "vllm_agentkv.py" in build["targets"]["sdist"]["include"]
+    assert "/vllm_agentkv.py" in build["targets"]["sdist"]["include"]
 
 
 @pytest.mark.parametrize("name", [n for n, a in sorted(ADAPTERS.items()) if a.alias])
