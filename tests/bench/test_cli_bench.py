@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conftest import CLAUDE_CODE, need
+from bench_support import CLAUDE_CODE, need
 from typer.testing import CliRunner
 
 from agentkv.cli import app

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import CLAUDE_CODE, need
+from bench_support import CLAUDE_CODE, need
 
 from agentkv.bench.plan import (
     Step,

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import TIME_SCALE
+from bench_support import TIME_SCALE
 from typer.testing import CliRunner
 
 from agentkv.bench.deploy import Stack

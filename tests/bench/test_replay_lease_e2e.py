@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import SMALL_SESSIONS, TIME_SCALE, _session
+from bench_support import SMALL_SESSIONS, TIME_SCALE, _session
 
 from agentkv.bench import runner
 from agentkv.bench.deploy import Stack, local_stack

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import CLAUDE_CODE, MOONCAKE, need
+from bench_support import CLAUDE_CODE, MOONCAKE, need
 
 from agentkv.bench.traces import (
     TraceError,

@@ -11,7 +11,7 @@ from agentkv.bench.template_check import check_template
 from agentkv.chat import deepseek_tokenizer_path
 from agentkv.cli import app
 
-TEMPLATES_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "chat-templates"
+TEMPLATES_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "chat-templates"
 if not TEMPLATES_DIR.is_dir():
     pytest.skip(
         f"the real chat templates are not checked out next to the repo ({TEMPLATES_DIR})",
