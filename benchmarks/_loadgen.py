@@ -15,7 +15,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ import httpx
 from agentkv.procs import Process, start_on_free_port
 from agentkv.protocol.promtext import parse_metrics
 from agentkv.serve.supervisor import start_router as serve_router
+from agentkv.sim.launch import SimProcess, start_sims
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,6 +71,39 @@ def exit_on_sigterm() -> None:
 
 def logdir() -> Path:
     return Path(tempfile.mkdtemp(prefix="agentkv-bench-"))
+
+
+@dataclass
+class Engines:
+    """One simulator P and one D, the servers a benchmark starts in front of them (``procs``),
+    and the folder for their logs."""
+
+    p: SimProcess
+    d: SimProcess
+    logs: Path
+    procs: list[Proc] = field(default_factory=list)
+
+    def router_config(self, **extra: Any) -> dict[str, Any]:
+        """A router config for this P and D (``block_size`` 16), with ``extra``."""
+        prefill, decode = [{"url": self.p.url}], [{"url": self.d.url}]
+        return {"prefill": prefill, "decode": decode, "block_size": 16, **extra}
+
+
+@contextlib.contextmanager
+def one_p_one_d(sim_args: Sequence[str]) -> Iterator[Engines]:
+    """Start a P and a D simulator (``sim_args`` each) with SIGTERM turned into an exit; on the
+    way out stop every server in ``procs``, then the simulators."""
+    exit_on_sigterm()
+    logs = logdir()
+    p, d = start_sims([["--role", "prefill", *sim_args], ["--role", "decode", *sim_args]])
+    engines = Engines(p, d, logs)
+    try:
+        yield engines
+    finally:
+        for proc in engines.procs:
+            proc.stop()
+        for sim in (p, d):
+            sim.stop()
 
 
 def rss_kib(pid: int) -> int:

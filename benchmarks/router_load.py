@@ -30,13 +30,11 @@ import orjson
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agentkv.sim.launch import start_sims
 from benchmarks._loadgen import (
     Connection,
     CPUMeter,
     Proc,
-    exit_on_sigterm,
-    logdir,
+    one_p_one_d,
     rss_kib,
     start_router,
     wait_quiet,
@@ -233,20 +231,10 @@ def main() -> None:
     conversations, turns, in_flight, store_max = (
         (200, 5, 64, 100) if args.quick else (1000, 5, 256, 500)
     )
-    exit_on_sigterm()
-    logs = logdir()
-    sims = start_sims([["--role", "prefill", *SIM_ARGS], ["--role", "decode", *SIM_ARGS]])
-    procs: list[Proc] = []
-    try:
-        p, d = sims
-        cfg = {
-            "prefill": [{"url": p.url}],
-            "decode": [{"url": d.url}],
-            "block_size": 16,
-            "store_max_entries": store_max,
-        }
-        router = start_router(cfg, logs)
-        procs.append(router)
+    with one_p_one_d(SIM_ARGS) as engines:
+        p, d = engines.p, engines.d
+        router = start_router(engines.router_config(store_max_entries=store_max), engines.logs)
+        engines.procs.append(router)
         pids = [p.process.pid, d.process.pid, router.pid]
         quiet = wait_quiet(pids, max_wait_s=args.wait_quiet)
         rss_start = rss_kib(router.pid)
@@ -268,11 +256,6 @@ def main() -> None:
         rm, pm, dm = get(f"{router.url}/metrics"), get(f"{p.url}/metrics"), get(f"{d.url}/metrics")
         handles_end = int(orjson.loads(get(f"{router.url}/health"))["handles"])
         rss_end = rss_kib(router.pid)
-    finally:
-        for proc in procs:
-            proc.stop()
-        for s in sims:
-            s.stop()
 
     decisions = {
         label(k, "decision"): int(v)

@@ -54,14 +54,12 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agentkv.procs import ProcessError, start_on_free_port
-from agentkv.sim.launch import start_sims
 from benchmarks._loadgen import (
     ROOT,
     Connection,
     CPUMeter,
     Proc,
-    exit_on_sigterm,
-    logdir,
+    one_p_one_d,
     start_process,
     wait_quiet,
 )
@@ -588,20 +586,10 @@ def main() -> None:
         return max(c, 8 if args.quick else 32) if c < 256 else c
 
     started = time.perf_counter()
-    exit_on_sigterm()
-    logs = logdir()
-    sims = start_sims([["--role", "prefill", *SIM_ARGS], ["--role", "decode", *SIM_ARGS]])
-    procs: list[Proc] = []
     extra: list[str] = []
-    try:
-        p, d = sims
-        cfg = {
-            "prefill": [{"url": p.url}],
-            "decode": [{"url": d.url}],
-            "block_size": 16,
-            "decoder_kv_blocks_ttl_s": D_TTL_S,
-            "ttl_margin_s": 10.0,
-        }
+    with one_p_one_d(SIM_ARGS) as engines:
+        p, d, logs, procs = engines.p, engines.d, engines.logs, engines.procs
+        cfg = engines.router_config(decoder_kv_blocks_ttl_s=D_TTL_S, ttl_margin_s=10.0)
         router = start_router(cfg, logs)
         vllm = start_vllm_proxy(args.vllm_proxy_python, p.url, d.url, logs)
         floor = start_process(
@@ -656,11 +644,6 @@ def main() -> None:
             cells += done.values()
         if args.profile:
             extra += profile(cfg, logs, tokens)
-    finally:
-        for proc in procs:
-            proc.stop()
-        for s in sims:
-            s.stop()
     body = report(cells, args, time.perf_counter() - started, quiet, extra)
     print(body)
     if not args.no_write:

@@ -9,7 +9,8 @@ Two implementations of one small interface (:class:`EngineClient`):
 * :class:`HttpxClient`: httpx, for an injected ``httpx.AsyncBaseTransport`` (tests that run the
   engines in-process) and as the measured alternative.
 
-Both take request bodies as ``dict`` (encoded once with orjson) or ``bytes``, and raise only
+Both take their pool's settings as one :class:`Pool`, request bodies as ``dict`` (encoded once
+with orjson) or ``bytes``, and raise only
 :class:`TransportError` (connection failed or dropped) and its subclass :class:`Timeout`.
 Replies keep httpx's attribute names (``status_code``, ``headers``, ``content``, ``json()``,
 ``aread()``, ``aclose()``), so the orchestration reads the same over either.
@@ -19,7 +20,8 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Mapping
-from typing import Any, ClassVar, Generic, Protocol, TypeVar
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, Protocol, TypeAlias, TypeVar
 
 import aiohttp
 import httpx
@@ -29,6 +31,7 @@ __all__ = [
     "AiohttpClient",
     "EngineClient",
     "HttpxClient",
+    "Pool",
     "Reply",
     "StreamReply",
     "Timeout",
@@ -39,6 +42,11 @@ __all__ = [
 _JSON = {"content-type": "application/json"}
 _R = TypeVar("_R")
 
+Body: TypeAlias = Mapping[str, Any] | bytes
+"""A request body: a JSON object (encoded once with orjson) or bytes already encoded."""
+Headers: TypeAlias = Mapping[str, str] | None
+"""A request's extra headers (trace context), or none."""
+
 
 class TransportError(Exception):
     """The engine could not be reached, or dropped the connection."""
@@ -48,11 +56,11 @@ class Timeout(TransportError):
     """The engine did not answer in time."""
 
 
-def encode(body: Mapping[str, Any] | bytes) -> bytes:
+def encode(body: Body) -> bytes:
     return body if isinstance(body, bytes) else orjson.dumps(body)
 
 
-def _headers(data: bytes | None, extra: Mapping[str, str] | None) -> Mapping[str, str] | None:
+def _headers(data: bytes | None, extra: Headers) -> Headers:
     """The request's headers: JSON's content type with a body, and any extra (trace context)."""
     if not extra:
         return _JSON if data is not None else None
@@ -121,50 +129,47 @@ class StreamReply(Protocol):
 
 class EngineClient(Protocol):
     async def post(
-        self,
-        path: str,
-        body: Mapping[str, Any] | bytes,
-        *,
-        timeout: float | None = None,
-        headers: Mapping[str, str] | None = None,
+        self, path: str, body: Body, *, timeout: float | None = None, headers: Headers = None
     ) -> Reply: ...
 
     async def get(self, path: str, *, timeout: float | None = None) -> Reply: ...
 
-    async def stream(
-        self, path: str, body: Mapping[str, Any] | bytes, headers: Mapping[str, str] | None = None
-    ) -> StreamReply: ...
+    async def stream(self, path: str, body: Body, headers: Headers = None) -> StreamReply: ...
 
     async def aclose(self) -> None: ...
 
 
-class _Client:
-    """What both clients share: ``post`` and ``get`` over their ``_request``."""
+@dataclass(frozen=True)
+class Pool:
+    """One client's connection pool: ``timeout_s`` for a reply (between reads), at most
+    ``max_connections`` connections, idle ones closed after ``keepalive_s`` (shorter than the
+    engine's own keep-alive timeout, so the router never sends on a connection the engine is
+    closing)."""
 
-    base_url: str
+    timeout_s: float
+    connect_timeout_s: float = 5.0
+    max_connections: int = 256
+    keepalive_s: float = 4.0
+
+
+class _Client:
+    """What both clients share: the URL and pool, ``post`` and ``get`` over their ``_request``."""
+
+    def __init__(self, base_url: str, pool: Pool) -> None:
+        self.base_url, self.pool = base_url, pool
 
     async def _request(
-        self,
-        method: str,
-        path: str,
-        data: bytes | None,
-        timeout: float | None,
-        headers: Mapping[str, str] | None = None,
+        self, method: str, path: str, data: bytes | None, timeout: float | None, headers: Headers
     ) -> Reply:
         raise NotImplementedError
 
     async def post(
-        self,
-        path: str,
-        body: Mapping[str, Any] | bytes,
-        *,
-        timeout: float | None = None,
-        headers: Mapping[str, str] | None = None,
+        self, path: str, body: Body, *, timeout: float | None = None, headers: Headers = None
     ) -> Reply:
         return await self._request("POST", path, encode(body), timeout, headers)
 
     async def get(self, path: str, *, timeout: float | None = None) -> Reply:
-        return await self._request("GET", path, None, timeout)
+        return await self._request("GET", path, None, timeout, None)
 
 
 class _Stream(Generic[_R]):
@@ -213,35 +218,25 @@ class _AiohttpStream(_Stream[aiohttp.ClientResponse]):
 
 
 class AiohttpClient(_Client):
-    """One engine over aiohttp: a pool of at most ``max_connections`` connections, idle ones
-    closed after ``keepalive_s`` (shorter than the engine's own keep-alive timeout, so the router
-    never sends on a connection the engine is closing)."""
+    """One engine over aiohttp, its connections as ``pool`` says."""
 
-    def __init__(
-        self,
-        base_url: str,
-        *,
-        timeout_s: float,
-        connect_timeout_s: float = 5.0,
-        max_connections: int = 256,
-        keepalive_s: float = 4.0,
-    ) -> None:
-        self.base_url = base_url.rstrip("/")
-        self._timeout_s, self._connect_s = timeout_s, connect_timeout_s
-        self._max, self._keepalive = max_connections, keepalive_s
+    def __init__(self, base_url: str, pool: Pool) -> None:
+        super().__init__(base_url.rstrip("/"), pool)
+        self._connect_s = pool.connect_timeout_s
         self._session: aiohttp.ClientSession | None = None
 
     def _open(self) -> aiohttp.ClientSession:
         # created on first use, inside the running loop (aiohttp binds a session to its loop)
         if self._session is None:
+            pool = self.pool
             connector = aiohttp.TCPConnector(
-                limit=self._max, limit_per_host=0, keepalive_timeout=self._keepalive
+                limit=pool.max_connections, limit_per_host=0, keepalive_timeout=pool.keepalive_s
             )
             self._session = aiohttp.ClientSession(
                 base_url=self.base_url,
                 connector=connector,
                 timeout=aiohttp.ClientTimeout(
-                    total=None, connect=self._connect_s, sock_read=self._timeout_s
+                    total=None, connect=self._connect_s, sock_read=pool.timeout_s
                 ),
                 auto_decompress=False,
                 trust_env=False,
@@ -255,12 +250,7 @@ class AiohttpClient(_Client):
         return aiohttp.ClientTimeout(total=timeout, connect=min(self._connect_s, timeout))
 
     async def _request(
-        self,
-        method: str,
-        path: str,
-        data: bytes | None,
-        timeout: float | None,
-        headers: Mapping[str, str] | None = None,
+        self, method: str, path: str, data: bytes | None, timeout: float | None, headers: Headers
     ) -> Reply:
         session = self._open()
         kwargs: dict[str, Any] = {}
@@ -275,9 +265,7 @@ class AiohttpClient(_Client):
         except _AIOHTTP_ERRORS.caught as exc:
             raise _AIOHTTP_ERRORS(exc, f"{method} {self.base_url}{path}") from exc
 
-    async def stream(
-        self, path: str, body: Mapping[str, Any] | bytes, headers: Mapping[str, str] | None = None
-    ) -> StreamReply:
+    async def stream(self, path: str, body: Body, headers: Headers = None) -> StreamReply:
         session = self._open()
         try:
             r = await session.request(
@@ -315,40 +303,33 @@ class _HttpxStream(_Stream[httpx.Response]):
 
 
 class HttpxClient(_Client):
-    """One engine over httpx (an injected transport, or the measured alternative)."""
+    """One engine over httpx (an injected transport, or the measured alternative), its
+    connections as ``pool`` says, at most ``max_keepalive`` of them idle."""
 
     def __init__(
         self,
         base_url: str,
+        pool: Pool,
         *,
-        timeout_s: float,
-        connect_timeout_s: float = 5.0,
-        max_connections: int = 256,
         max_keepalive: int = 20,
-        keepalive_s: float = 4.0,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        self.base_url = base_url
+        super().__init__(base_url, pool)
         self._client = httpx.AsyncClient(
             base_url=base_url,
-            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+            timeout=httpx.Timeout(pool.timeout_s, connect=pool.connect_timeout_s),
             transport=transport,
             trust_env=False,
             # few idle connections: httpcore walks every pooled one on each request and release
             limits=httpx.Limits(
-                max_connections=max_connections,
+                max_connections=pool.max_connections,
                 max_keepalive_connections=max_keepalive,
-                keepalive_expiry=keepalive_s,
+                keepalive_expiry=pool.keepalive_s,
             ),
         )
 
     async def _request(
-        self,
-        method: str,
-        path: str,
-        data: bytes | None,
-        timeout: float | None,
-        headers: Mapping[str, str] | None = None,
+        self, method: str, path: str, data: bytes | None, timeout: float | None, headers: Headers
     ) -> Reply:
         kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
         try:
@@ -359,9 +340,7 @@ class HttpxClient(_Client):
             raise _HTTPX_ERRORS(exc, f"{method} {self.base_url}{path}") from exc
         return Reply(r.status_code, r.headers, r.content)
 
-    async def stream(
-        self, path: str, body: Mapping[str, Any] | bytes, headers: Mapping[str, str] | None = None
-    ) -> StreamReply:
+    async def stream(self, path: str, body: Body, headers: Headers = None) -> StreamReply:
         request = self._client.build_request(
             "POST", path, content=encode(body), headers=_headers(b"", headers)
         )

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from agentkv.router.config import Backend, RouterConfig
-from agentkv.router.http import AiohttpClient, EngineClient, HttpxClient, TransportError
+from agentkv.router.http import AiohttpClient, EngineClient, HttpxClient, Pool, TransportError
 from agentkv.router.tasks import cancel_and_wait
 
 __all__ = ["EnginePool", "Upstream", "pick_decode", "pick_prefill"]
@@ -113,22 +113,14 @@ class EnginePool:
             # keep-alive shorter than the engines' (uvicorn's 5 s), so the router never reuses a
             # connection the engine is closing
             size = 2 if health else config.upstream_max_connections
-            timeout = 10.0 if health else config.request_timeout_s
-            if transport is not None or config.upstream_client == "httpx":
-                return HttpxClient(
-                    b.url,
-                    timeout_s=timeout,
-                    max_connections=size,
-                    max_keepalive=min(size, 20),
-                    keepalive_s=config.upstream_keepalive_s,
-                    transport=transport,
-                )
-            return AiohttpClient(
-                b.url,
-                timeout_s=timeout,
+            pool = Pool(
+                timeout_s=10.0 if health else config.request_timeout_s,
                 max_connections=size,
                 keepalive_s=config.upstream_keepalive_s,
             )
+            if transport is not None or config.upstream_client == "httpx":
+                return HttpxClient(b.url, pool, max_keepalive=min(size, 20), transport=transport)
+            return AiohttpClient(b.url, pool)
 
         self.prefill = [
             Upstream("prefill", b, client(b), client(b, health=True)) for b in config.prefill

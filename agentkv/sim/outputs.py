@@ -51,11 +51,14 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
+
+from typing_extensions import Unpack
 
 from agentkv.sim.arg_types import fix_arg_types
 
 __all__ = [
+    "OutputOptions",
     "ParsedOutput",
     "ParsedToolCall",
     "ReasoningParser",
@@ -403,15 +406,27 @@ def _qwen3_tools(
 
 
 # -- parsing ---------------------------------------------------------------------------------
+class OutputOptions(TypedDict, total=False):
+    """How the engine parses an output: what :func:`parse_output` and :func:`stream_deltas`
+    take besides the text and ``seed`` (each is said at :func:`parse_output`)."""
+
+    reasoning: bool
+    reasoning_parser: ReasoningParser
+    thinking: bool
+    tool_format: ToolFormat
+    tool_choice: ToolChoice
+    tools: Sequence[Mapping[str, Any]] | None
+
+
 def _parse(
     text: str,
     *,
-    reasoning: bool,
-    reasoning_parser: ReasoningParser,
-    thinking: bool,
-    tool_format: ToolFormat,
-    tool_choice: ToolChoice,
-    tools: Sequence[Mapping[str, Any]] | None,
+    reasoning: bool = True,
+    reasoning_parser: ReasoningParser = "qwen3",
+    thinking: bool = True,
+    tool_format: ToolFormat = "auto",
+    tool_choice: ToolChoice = "auto",
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> _Parsed:
     out = _Text.whole(text)
     r: _Text | None
@@ -467,17 +482,7 @@ def _output(parsed: _Parsed, seed: int) -> ParsedOutput:
     )
 
 
-def parse_output(
-    text: str,
-    *,
-    reasoning: bool = True,
-    reasoning_parser: ReasoningParser = "qwen3",
-    thinking: bool = True,
-    tool_format: ToolFormat = "auto",
-    tool_choice: ToolChoice = "auto",
-    tools: Sequence[Mapping[str, Any]] | None = None,
-    seed: int = 0,
-) -> ParsedOutput:
+def parse_output(text: str, *, seed: int = 0, **options: Unpack[OutputOptions]) -> ParsedOutput:
     """The message vLLM 0.33 returns for raw output ``text``.
 
     ``reasoning``: a reasoning parser is configured (``--reasoning-parser``), namely
@@ -485,31 +490,16 @@ def parse_output(
     reads it). ``tool_format``: the ``--tool-call-parser`` (``none``: no tool parsing).
     ``tool_choice``: the request's; ``none`` keeps tool calls out of the message (``tools``
     given) or only drops them (no ``tools``), as vLLM does. ``tools``: the request's tools,
-    used to type ``qwen3_coder`` parameters. ``seed``: where tool-call ids come from.
+    used to type ``qwen3_coder`` parameters. ``seed``: where tool-call ids come from. The
+    defaults: ``reasoning`` on with ``qwen3``, ``thinking`` on, ``auto`` tool format and
+    choice, no ``tools``.
     """
-    parsed = _parse(
-        text,
-        reasoning=reasoning,
-        reasoning_parser=reasoning_parser,
-        thinking=thinking,
-        tool_format=tool_format,
-        tool_choice=tool_choice,
-        tools=tools,
-    )
-    return _output(parsed, seed)
+    return _output(_parse(text, **options), seed)
 
 
 # -- streaming -------------------------------------------------------------------------------
 def stream_deltas(
-    pieces: Sequence[str],
-    *,
-    reasoning: bool = True,
-    reasoning_parser: ReasoningParser = "qwen3",
-    thinking: bool = True,
-    tool_format: ToolFormat = "auto",
-    tool_choice: ToolChoice = "auto",
-    tools: Sequence[Mapping[str, Any]] | None = None,
-    seed: int = 0,
+    pieces: Sequence[str], *, seed: int = 0, **options: Unpack[OutputOptions]
 ) -> list[dict[str, Any] | None]:
     """The chat-completion ``delta`` vLLM streams after each generated token, or None where
     it sends nothing (a ``</think>`` token, tool-call markup).
@@ -524,16 +514,7 @@ def stream_deltas(
     outputs) this follows the non-streaming one. The opening ``{"role": "assistant",
     "content": ""}`` delta and the final one with ``finish_reason`` are the caller's.
     """
-    text = "".join(pieces)
-    parsed = _parse(
-        text,
-        reasoning=reasoning,
-        reasoning_parser=reasoning_parser,
-        thinking=thinking,
-        tool_format=tool_format,
-        tool_choice=tool_choice,
-        tools=tools,
-    )
+    parsed = _parse("".join(pieces), **options)
     if not pieces:
         return []
     ends = list(accumulate(len(p) for p in pieces))

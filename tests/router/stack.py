@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,6 +14,8 @@ from agentkv.procs import Process
 from agentkv.protocol.promtext import parse_metrics
 from agentkv.serve.supervisor import start_router as serve_router
 from agentkv.sim.launch import SimProcess, start_sims
+
+MODEL = "agentkv-sim"
 
 RouterProcess = Process
 """An ``agentkv router`` process: ``url``, ``port``, ``log_path`` (``tmp/router-PORT.log``)."""
@@ -60,6 +62,36 @@ class Stack:
             r.stop()
         for s in [*self.prefill, *self.decode]:
             s.stop()
+
+
+def exact(
+    s: Stack,
+    conv: str,
+    ids: list[int],
+    *,
+    salt: str | None = None,
+    headers: Mapping[str, str] | None = None,
+    **extra: Any,
+) -> httpx.Response:
+    """One chat turn of conversation ``conv`` through the router whose prompt is exactly ``ids``
+    (``kv_transfer_params.prompt_token_ids``): 20 tokens, ``salt`` as its ``cache_salt``,
+    ``headers`` besides ``X-Conversation-Id``, ``extra`` in the body."""
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "x"}],
+        "max_tokens": 20,
+        "kv_transfer_params": {"prompt_token_ids": ids},
+        "return_token_ids": True,
+        **extra,
+    }
+    if salt is not None:
+        body["cache_salt"] = salt
+    return httpx.post(
+        f"{s.router.url}/v1/chat/completions",
+        json=body,
+        headers={"X-Conversation-Id": conv, **(headers or {})},
+        timeout=60,
+    )
 
 
 @contextlib.contextmanager

@@ -13,12 +13,10 @@ import httpx
 import orjson
 import pytest
 from conftest import _start, start_redis
-from stack import stack
+from stack import MODEL, exact, stack
 from test_router_e2e import NO_P_CACHE, SYSTEM, TOOLS, agent_turns, client
 
 pytestmark = pytest.mark.e2e
-
-MODEL = "agentkv-sim"
 
 
 @pytest.fixture(scope="module")
@@ -33,25 +31,6 @@ def ids_of(s, messages) -> list[int]:
         json={"model": MODEL, "messages": messages, "add_generation_prompt": True},
     )
     return list(r.json()["tokens"])
-
-
-def exact(s, conv: str, ids: list[int], *, salt: str | None = None, **extra) -> httpx.Response:
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "x"}],
-        "max_tokens": 20,
-        "kv_transfer_params": {"prompt_token_ids": ids},
-        "return_token_ids": True,
-        **extra,
-    }
-    if salt is not None:
-        body["cache_salt"] = salt
-    return httpx.post(
-        f"{s.router.url}/v1/chat/completions",
-        json=body,
-        headers={"X-Conversation-Id": conv},
-        timeout=60,
-    )
 
 
 def held_after(r: httpx.Response, ids: list[int]) -> list[int]:
@@ -268,19 +247,7 @@ def test_one_tenants_conversations_never_evict_another_tenants_handle(tmp_path):
         ids = ids_of(s, LONG)
 
         def turn(key: str, conv: str, prompt: list[int]) -> httpx.Response:
-            body = {
-                "model": MODEL,
-                "messages": [{"role": "user", "content": "x"}],
-                "max_tokens": 10,
-                "kv_transfer_params": {"prompt_token_ids": prompt},
-                "return_token_ids": True,
-            }
-            return httpx.post(
-                f"{s.router.url}/v1/chat/completions",
-                json=body,
-                headers={"X-Conversation-Id": conv, "Authorization": f"Bearer {key}"},
-                timeout=60,
-            )
+            return exact(s, conv, prompt, headers={"Authorization": f"Bearer {key}"}, max_tokens=10)
 
         first = turn("key-quiet", "mine", ids)
         assert first.status_code == 200

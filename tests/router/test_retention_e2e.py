@@ -7,8 +7,8 @@ import time
 
 import httpx
 import pytest
-from stack import Stack, stack, start_router
-from test_planner_e2e import LONG, MODEL, exact, held_after, ids_of
+from stack import MODEL, Stack, exact, stack, start_router
+from test_planner_e2e import LONG, held_after, ids_of
 from test_router_e2e import NO_P_CACHE
 
 from agentkv.sim.launch import free_port, start_sims
@@ -35,8 +35,8 @@ def test_a_lapsed_lease_frees_d_at_once_and_a_renewed_one_keeps_it(tmp_path):
     ) as s:
         ids = ids_of(s, LONG)
         lease = {"X-AgentKV-Lease": "4"}
-        alive = exact_with(s, "live-agent", ids, lease)
-        gone = exact_with(s, "dead-agent", ids, lease)
+        alive = exact(s, "live-agent", ids, headers=lease)
+        gone = exact(s, "dead-agent", ids, headers=lease)
         started = time.monotonic()
         assert gone.status_code == alive.status_code == 200
         assert s.retained(s.decode[0]) == 2
@@ -58,30 +58,14 @@ def test_a_lapsed_lease_frees_d_at_once_and_a_renewed_one_keeps_it(tmp_path):
             renew()
             time.sleep(0.5)
         assert s.retained(s.decode[0]) == 1
-        nxt = exact_with(s, "live-agent", held_after(alive, ids), lease)
+        nxt = exact(s, "live-agent", held_after(alive, ids), headers=lease)
         assert nxt.headers["x-agentkv-decision"] == "pull"
-
-
-def exact_with(s: Stack, conv: str, ids: list[int], headers: dict[str, str]) -> httpx.Response:
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "x"}],
-        "max_tokens": 20,
-        "kv_transfer_params": {"prompt_token_ids": ids},
-        "return_token_ids": True,
-    }
-    return httpx.post(
-        f"{s.router.url}/v1/chat/completions",
-        json=body,
-        headers={"X-Conversation-Id": conv, **headers},
-        timeout=60,
-    )
 
 
 def test_bad_leases_are_400(tmp_path):
     with stack(tmp_path, p_args=NO_P_CACHE) as s:
         for value in ("0", "-1", "abc", "1e9", "nan"):
-            r = exact_with(s, "c", [1, 2, 3], {"X-AgentKV-Lease": value})
+            r = exact(s, "c", [1, 2, 3], headers={"X-AgentKV-Lease": value})
             assert r.status_code == 400 and "X-AgentKV-Lease" in r.json()["error"]["message"]
         r = httpx.post(f"{s.router.url}/v1/conversations/c/lease", json={"lease_s": "x"})
         assert r.status_code == 400
