@@ -1,6 +1,5 @@
-"""Fixtures of the router tests: a real redis-server for the session (``redis_url``). The
-helpers are in ``redis_support``; ``_start`` and ``start_redis`` are re-exported here because
-``test_chaos.py`` and ``test_planner_e2e.py`` still ``from conftest import`` them."""
+"""Fixtures of the router tests: a real redis-server for the session (``redis_url``); the
+helpers that start one are in ``redis_support``."""
 
 from __future__ import annotations
 
@@ -8,9 +7,7 @@ import shutil
 from collections.abc import Iterator
 
 import pytest
-from redis_support import _INSTALL, _start, _unavailable, start_redis
-
-__all__ = ["_start", "start_redis"]
+from redis_support import _INSTALL, _start, _unavailable
 
 
 @pytest.fixture(scope="session")

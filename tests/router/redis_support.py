@@ -1,8 +1,7 @@
 """A real redis-server for the tests: :func:`start_redis` and :func:`_start`.
 
 A plain module, not a conftest (every conftest is imported as ``conftest``, so which one a
-``from conftest import`` finds depends on collection order); ``conftest`` re-exports both names
-for the modules that still import them from there."""
+``from conftest import`` finds depends on collection order)."""
 
 from __future__ import annotations
 

@@ -43,7 +43,6 @@ import httpx
 import orjson
 import pytest
 import redis
-from conftest import _start, start_redis
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -54,6 +53,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from redis_support import _start, start_redis
 from stack import Stack, stack
 
 from agentkv.protocol.promtext import parse_metrics

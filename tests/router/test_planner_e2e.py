@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
-from conftest import _start, start_redis
+from redis_support import _start, start_redis
 from stack import MODEL, exact, stack
 from test_router_e2e import NO_P_CACHE, SYSTEM, TOOLS, agent_turns, client
 
