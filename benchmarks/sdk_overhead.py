@@ -24,8 +24,7 @@ import httpx2
 import openai
 
 import agentkv
-from agentkv import _client as _client_mod
-from agentkv import _conversation
+from agentkv import _conversation, _ledger
 from agentkv._rendering import RemoteRenderer
 from agentkv.sim.launch import start_sims
 from benchmarks._report import machine, write_section
@@ -84,12 +83,12 @@ class _Logic:
     excluding the HTTP calls the renderer makes."""
 
     STEPS = (
-        (_conversation.Ledger, "render_job"),
-        (_conversation.Ledger, "next_prompt"),
-        (_conversation.Ledger, "request"),
-        (_conversation.Ledger, "absorb"),
-        (_client_mod, "result_from_completion"),
-        (_client_mod, "check_exact"),
+        (_ledger.Ledger, "render_job"),
+        (_ledger.Ledger, "next_prompt"),
+        (_ledger.Ledger, "request"),
+        (_ledger.Ledger, "absorb"),
+        (_conversation, "result_from_completion"),
+        (_conversation, "check_exact"),
         (RemoteRenderer, "render"),
     )
 
