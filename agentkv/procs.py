@@ -209,12 +209,9 @@ class Process:
         own_log: bool = False,
         new_session: bool = False,
     ) -> None:
-        self.process = process
-        self.name = name
-        self.port = port
-        self.log_path = log_path
+        self.process, self.name, self.port = process, name, port
+        self.log_path, self._own_log = log_path, own_log
         self.new_session = new_session
-        self._own_log = own_log
         self._tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
         self._reader: threading.Thread | None = None
         self.on_stop: list[Callable[[], None]] = []

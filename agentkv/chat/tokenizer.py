@@ -100,13 +100,9 @@ class ChatTokenizer:
         chat_template: str | None = None,
         path: Path | None = None,
     ) -> None:
-        self.backend = tokenizer
-        self.name = name
-        self.bos_token = bos_token
-        self.eos_token = eos_token
-        self.pad_token = pad_token
-        self.unk_token = unk_token
-        self.chat_template = chat_template
+        self.backend, self.name, self.chat_template = tokenizer, name, chat_template
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self.pad_token, self.unk_token = pad_token, unk_token
         self.path = path
         """The ``tokenizer.json`` this was loaded from."""
         added = tokenizer.get_added_tokens_decoder()

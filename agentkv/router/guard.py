@@ -38,11 +38,8 @@ class GuardedStore:
         on_error: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.inner = inner
-        self._failures_to_open = failures_to_open
-        self._open_s = open_s
-        self._on_error = on_error
-        self._clock = clock
+        self.inner, self._on_error, self._clock = inner, on_error, clock
+        self._failures_to_open, self._open_s = failures_to_open, open_s
         self._failures = 0
         self._open_until = 0.0
 

@@ -413,12 +413,8 @@ class KVEventSubscriber:
         hwm: int = 100_000,
         bind: bool | None = None,
     ) -> None:
-        self.endpoint = endpoint
-        self.bind = bind
-        self.topic = topic
-        self.index = index
-        self.host = host
-        self.replay_endpoint = replay_endpoint
+        self.endpoint, self.replay_endpoint, self.host = endpoint, replay_endpoint, host
+        self.topic, self.index, self.bind = topic, index, bind
         self.on_gap = on_gap
         self.bootstrap = bootstrap
         self.replay_timeout_s = replay_timeout_s

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from clock_support import SharedClock
 from starlette.applications import Starlette
 
 import agentkv
@@ -26,34 +27,11 @@ from agentkv.router.store import make_store
 from agentkv.sim import SimConfig
 from agentkv.sim import create_app as create_sim
 from agentkv.sim.app import SimState
-from agentkv.sim.clock import ManualClock
 from agentkv.sim.transfer import TransferClient
 
 ROUTER_PORT = 8000
 P_PORT, D_PORT = 8100, 8200
 """The first P's and D's ports (the next ones count up); only the transports read them."""
-
-
-class SharedClock:
-    """One time line for every instance; each sees it shifted by its own origin."""
-
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def view(self, origin: float) -> ManualClock:
-        shared = self
-
-        class _View(ManualClock):
-            def now(self) -> float:
-                return origin + shared.t
-
-        return _View()
-
-    def monotonic(self) -> float:
-        return 50_000.0 + self.t
-
-    def advance(self, seconds: float) -> None:
-        self.t += seconds
 
 
 class ByPort(httpx.AsyncBaseTransport):

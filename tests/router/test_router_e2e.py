@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 # test_planner_e2e and test_retention_e2e import TOOLS, agent_turns and client from here
-from agent_support import SYSTEM, TOOLS  # noqa: F401
+from agent_support import SYSTEM, TOOLS, agent_step  # noqa: F401
 from stack import stack
 
 import agentkv
@@ -23,18 +23,12 @@ NO_P_CACHE = (("--no-prefix-caching",),)
 def agent_turns(conv, n: int, start: int = 0) -> None:
     """n turns of a tool-using agent: a tool call, its result, an answer, a new question."""
     for i in range(start, start + n):
-        if i % 2 == 0:
-            script = {
-                "reasoning": f"I should read file {i}.",
-                "content": "",
-                "tool_calls": [{"name": "read_file", "arguments": {"path": f"src/mod{i}.py"}}],
-            }
-            completion = conv.create(max_tokens=400, extra_body={"agentkv_sim": script})
+        script, tool_result = agent_step(i)
+        completion = conv.create(max_tokens=400, extra_body={"agentkv_sim": script})
+        if tool_result is not None:
             call = completion.choices[0].message.tool_calls[0]
-            conv.add_tool_result(call.id, f"def f{i}():\n    return {i}\n" * 4)
+            conv.add_tool_result(call.id, tool_result)
         else:
-            script = {"reasoning": f"Done with {i}.", "content": f"File {i} defines f{i - 1}. " * 6}
-            conv.create(max_tokens=400, extra_body={"agentkv_sim": script})
             conv.add_user(f"Now look at module {i + 1}.")
 
 

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import anyio
 import httpx
 import pytest
-from agent_support import SYSTEM, TOOLS
+from agent_support import SYSTEM, TOOLS, agent_step
 from inprocess_stack import InProcessStack, inprocess_stack
 
 import agentkv
@@ -28,18 +28,12 @@ def anyio_backend() -> str:
 async def agent_turns(conv: agentkv.AsyncConversation, n: int, start: int = 0) -> None:
     """n turns of a tool-using agent: a tool call, its result, an answer, a new question."""
     for i in range(start, start + n):
-        if i % 2 == 0:
-            script = {
-                "reasoning": f"I should read file {i}.",
-                "content": "",
-                "tool_calls": [{"name": "read_file", "arguments": {"path": f"src/mod{i}.py"}}],
-            }
-            completion = await conv.create(max_tokens=400, extra_body={"agentkv_sim": script})
+        script, tool_result = agent_step(i)
+        completion = await conv.create(max_tokens=400, extra_body={"agentkv_sim": script})
+        if tool_result is not None:
             call = completion.choices[0].message.tool_calls[0]  # type: ignore[index]
-            conv.add_tool_result(call.id, f"def f{i}():\n    return {i}\n" * 4)
+            conv.add_tool_result(call.id, tool_result)
         else:
-            script = {"reasoning": f"Done with {i}.", "content": f"File {i} defines f{i - 1}. " * 6}
-            await conv.create(max_tokens=400, extra_body={"agentkv_sim": script})
             conv.add_user(f"Now look at module {i + 1}.")
 
 

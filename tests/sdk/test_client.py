@@ -6,20 +6,12 @@ from collections.abc import Iterator
 
 import openai
 import pytest
+from tools_support import function_tool
 
 import agentkv
 from agentkv.sim.launch import SimProcess
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Weather",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-        },
-    }
-]
+TOOLS = [function_tool("get_weather", "Weather", city="string")]
 
 
 SLEPT: list[float] = []

@@ -9,34 +9,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from clock_support import SharedClock
 
 from agentkv.protocol.promtext import parse_metrics
 from agentkv.sim import SimConfig, create_app
 from agentkv.sim.app import SimState
-from agentkv.sim.clock import ManualClock
 from agentkv.sim.costmodel import PRESETS
 from agentkv.sim.transfer import TransferClient
 
 P_PORT, D_PORT = 8100, 8200
-
-
-class SharedClock:
-    """One time line; each instance sees it shifted by its own origin (like perf_counter)."""
-
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def view(self, origin: float) -> ManualClock:
-        shared = self
-
-        class _View(ManualClock):
-            def now(self) -> float:
-                return origin + shared.t
-
-        return _View()
-
-    def advance(self, seconds: float) -> None:
-        self.t += seconds
 
 
 @dataclass

@@ -1,0 +1,18 @@
+"""OpenAI tool definitions for the tests' scripted agents."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def function_tool(name: str, description: str, **params: str) -> dict[str, Any]:
+    """A function tool whose parameters are an object of ``params`` (name: JSON type)."""
+    properties = {key: {"type": kind} for key, kind in params.items()}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {"type": "object", "properties": properties},
+        },
+    }
