@@ -34,6 +34,7 @@ __all__ = [
     "HEADER_TRIM_CAUSE",
     "HEADER_VERIFIED_PREFIX_TOKENS",
     "Metric",
+    "RouterMetric",
 ]
 
 # -- headers: client <-> router ------------------------------------------------------------------
@@ -131,3 +132,30 @@ class Metric:
     SIM_RETAINED_BLOCK_SECONDS: Final = "agentkv_sim_retained_block_seconds"
     SIM_KV_BLOCKS_USED: Final = "agentkv_sim_kv_blocks_used"
     SIM_KV_BLOCKS_TOTAL: Final = "agentkv_sim_kv_blocks_total"
+
+
+class RouterMetric:
+    """The router's Prometheus metric names (``/metrics`` of ``agentkv router``; docs/router.md
+    lists them, ``deploy/`` queries them). Counters are scraped with a ``_total`` suffix."""
+
+    REQUESTS: Final = "agentkv_router_requests"
+    FAILED_REQUESTS: Final = "agentkv_router_failed_requests"
+    REUSED_TOKENS: Final = "agentkv_router_reused_tokens"
+    PROMPT_TOKENS: Final = "agentkv_router_prompt_tokens"
+    LOCAL_PREFIX_TOKENS: Final = "agentkv_router_local_prefix_tokens"
+    ESTIMATED_TURNS: Final = "agentkv_router_estimated_turns"
+    TRIMMED_TURNS: Final = "agentkv_router_trimmed_turns"
+    ABANDONED_STREAMS: Final = "agentkv_router_abandoned_streams"
+    STORE_ERRORS: Final = "agentkv_router_store_errors"
+    VERIFIED_TOKENS: Final = "agentkv_router_verified_tokens"
+    CLIENT_ABORTS: Final = "agentkv_router_client_aborts"
+    HANDLES_RELEASED: Final = "agentkv_router_handles_released"
+    HANDLE_AGE_SECONDS: Final = "agentkv_router_handle_age_seconds"
+    UPSTREAM_ERRORS: Final = "agentkv_router_upstream_errors"
+    RETRIES: Final = "agentkv_router_retries"
+    PREFILL_SECONDS: Final = "agentkv_router_prefill_seconds"
+    DECODE_FIRST_BYTE_SECONDS: Final = "agentkv_router_decode_first_byte_seconds"
+    TURN_SECONDS: Final = "agentkv_router_turn_seconds"
+    FIRST_BYTE_SECONDS: Final = "agentkv_router_first_byte_seconds"
+    STORE_HANDLES: Final = "agentkv_router_store_handles"
+    ENGINE_HEALTHY: Final = "agentkv_router_engine_healthy"

@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from agentkv.protocol.http import error_response, json_object
+from agentkv.protocol.names import RouterMetric
 from agentkv.router.config import RouterConfig
 from agentkv.router.guard import GuardedStore
 from agentkv.router.http import TransportError
@@ -93,7 +94,7 @@ def create_app(
     pool = EnginePool(config, transport=transport)
     metrics = RouterMetrics()
     aborts = Counter(
-        "agentkv_router_client_aborts",
+        RouterMetric.CLIENT_ABORTS,
         "Requests the client hung up on before they were answered, by stage.",
         ("stage",),
         registry=metrics.registry,

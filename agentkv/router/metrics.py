@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from agentkv.protocol.names import RouterMetric
+
 __all__ = ["RouterMetrics"]
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -26,87 +28,85 @@ class RouterMetrics:
             return Histogram(name, doc, labels, buckets=buckets, registry=r)
 
         self.requests = counter(
-            "agentkv_router_requests",
+            RouterMetric.REQUESTS,
             "Requests by endpoint and decision.",
             ("endpoint", "decision"),
         )
         self.failed = counter(
-            "agentkv_router_failed_requests",
+            RouterMetric.FAILED_REQUESTS,
             "Requests answered with an error, by status.",
             ("status",),
         )
         self.reused_tokens = counter(
-            "agentkv_router_reused_tokens",
+            RouterMetric.REUSED_TOKENS,
             "Prompt tokens P reads from D's blocks: M = max(0, min(C, N) - L), estimated where "
             "P's KV events are off.",
         )
         self.prompt_tokens = counter(
-            "agentkv_router_prompt_tokens",
+            RouterMetric.PROMPT_TOKENS,
             "Prompt tokens of answered turns (reuse ratio = reused / prompt).",
         )
         self.local_prefix_tokens = counter(
-            "agentkv_router_local_prefix_tokens",
+            RouterMetric.LOCAL_PREFIX_TOKENS,
             "Prompt tokens P already held in its own prefix cache (L, from its KV events).",
         )
         self.estimated = counter(
-            "agentkv_router_estimated_turns",
+            RouterMetric.ESTIMATED_TURNS,
             "Turns whose reuse figure is an estimate (L unknown: P's KV events off).",
         )
         self.trimmed = counter(
-            "agentkv_router_trimmed_turns",
+            RouterMetric.TRIMMED_TURNS,
             "Turns that used less than the whole handle, by cause (rewrite or drift).",
             ("cause",),
         )
         self.abandoned = counter(
-            "agentkv_router_abandoned_streams",
+            RouterMetric.ABANDONED_STREAMS,
             "Streams whose client left before the end: drained (D read to the end, its handle "
             "kept) or aborted.",
             ("outcome",),
         )
         self.store_errors = counter(
-            "agentkv_router_store_errors",
+            RouterMetric.STORE_ERRORS,
             "Handle-store calls that failed or were skipped by the open breaker, by operation.",
             ("op",),
         )
         self.verified_tokens = counter(
-            "agentkv_router_verified_tokens", "Prompt tokens verified against what D holds."
+            RouterMetric.VERIFIED_TOKENS, "Prompt tokens verified against what D holds."
         )
         self.released = counter(
-            "agentkv_router_handles_released",
+            RouterMetric.HANDLES_RELEASED,
             "Handles released early (remote_num_tokens 0), by reason.",
             ("reason",),
         )
         self.handle_age = histogram(
-            "agentkv_router_handle_age_seconds",
+            RouterMetric.HANDLE_AGE_SECONDS,
             "Age of a handle when a turn takes it.",
             buckets=(1, 5, 15, 30, 60, 120, 240, 360, 450, 480),
         )
         self.upstream_errors = counter(
-            "agentkv_router_upstream_errors", "Failed upstream calls.", ("role", "kind")
+            RouterMetric.UPSTREAM_ERRORS, "Failed upstream calls.", ("role", "kind")
         )
-        self.retries = counter(
-            "agentkv_router_retries", "Upstream retries, by reason.", ("reason",)
-        )
-        self.p_seconds = histogram("agentkv_router_prefill_seconds", "P request latency.")
+        self.retries = counter(RouterMetric.RETRIES, "Upstream retries, by reason.", ("reason",))
+        self.p_seconds = histogram(RouterMetric.PREFILL_SECONDS, "P request latency.")
         self.d_first_byte = histogram(
-            "agentkv_router_decode_first_byte_seconds", "D time to first byte."
+            RouterMetric.DECODE_FIRST_BYTE_SECONDS, "D time to first byte."
         )
         self.turn_seconds = histogram(
-            "agentkv_router_turn_seconds",
+            RouterMetric.TURN_SECONDS,
             "Whole turn latency (to D's last byte), by decision.",
             ("decision",),
         )
         self.first_byte = histogram(
-            "agentkv_router_first_byte_seconds",
+            RouterMetric.FIRST_BYTE_SECONDS,
             "From the client's request to D's first byte (P, the KV read and D's first byte: "
             "the router's TTFT), by decision.",
             ("decision",),
         )
         self.store_size = Gauge(
-            "agentkv_router_store_handles", "Handles held in the store.", registry=r
+            RouterMetric.STORE_HANDLES, "Handles held in the store.", registry=r
         )
         self.healthy = Gauge(
-            "agentkv_router_engine_healthy",
+            RouterMetric.ENGINE_HEALTHY,
             "1 when the engine is in rotation.",
             ("role", "url"),
             registry=r,

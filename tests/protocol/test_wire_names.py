@@ -54,3 +54,18 @@ def test_handle_fields_are_spelled_in_protocol_only() -> None:
             f"{path.relative_to(ROOT.parent)}:{line}: {word}" for line, word in _spellings(tree)
         ]
     assert not found, "handle fields outside agentkv/protocol/:\n" + "\n".join(found)
+
+
+def test_every_router_metric_is_named_in_protocol() -> None:
+    """The router's metric names live in ``protocol.names.RouterMetric``, one per family."""
+    from agentkv.protocol.names import RouterMetric
+    from agentkv.router import create_app
+    from agentkv.router.config import RouterConfig
+
+    config = RouterConfig.model_validate(
+        {"prefill": [{"url": "http://127.0.0.1:1"}], "decode": [{"url": "http://127.0.0.1:2"}]}
+    )
+    registry = create_app(config).state.router.metrics.registry
+    exported = {family.name for family in registry.collect()}
+    named = {v for k, v in vars(RouterMetric).items() if k.isupper()}
+    assert exported == named, (exported - named, named - exported)
