@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from agentkv.bench.replay import TurnRecord
+from agentkv.bench.replay import POLICIES, TurnRecord
 
 __all__ = [
     "plot_preset_curves",
@@ -16,11 +16,12 @@ __all__ = [
     "plot_ttft_by_context",
 ]
 
-_COLORS = {"none": "#7f7f7f", "unverified": "#d62728", "agentkv": "#1f77b4"}
+_COLORS = {"none": "#7f7f7f", "unverified": "#d62728", "agentkv": "#1f77b4", "lease": "#2ca02c"}
 _LABELS = {
     "none": "no reuse (baseline)",
     "unverified": "unverified (example proxy)",
     "agentkv": "agentkv verified",
+    "lease": "agentkv + leases",
 }
 
 
@@ -65,7 +66,7 @@ def plot_ttft_by_context(records: Sequence[TurnRecord], path: Path, *, title: st
     """Modelled TTFT against prompt length, per policy (turns after the first)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for policy in ("none", "unverified", "agentkv"):
+    for policy in POLICIES:
         rows = [
             r
             for r in records
@@ -91,7 +92,7 @@ def plot_reuse_fraction(summaries: Mapping[str, Any], path: Path) -> Path:
     the wrong-KV tokens above the bars."""
     plt = _pyplot()
     kinds = ["append", "strip", "rewrite", "all"]
-    policies = [p for p in ("none", "unverified", "agentkv") if p in summaries]
+    policies = [p for p in POLICIES if p in summaries]
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     width = 0.8 / max(1, len(policies))
     for i, policy in enumerate(policies):
@@ -134,7 +135,7 @@ def plot_retention(summaries: Mapping[str, Any], path: Path) -> Path:
     blocks read or released by the next turn and blocks held until D's TTL, beside the tokens
     read back correctly."""
     plt = _pyplot()
-    policies = [p for p in ("none", "unverified", "agentkv") if p in summaries]
+    policies = [p for p in POLICIES if p in summaries]
     fig, (left, right) = plt.subplots(1, 2, figsize=(8.5, 4))
     labels = [_LABELS[p].split(" (")[0] for p in policies]
     to_ttl = [summaries[p].retained_to_ttl_block_s / 3600 for p in policies]
@@ -150,7 +151,7 @@ def plot_retention(summaries: Mapping[str, Any], path: Path) -> Path:
         color=colors,
         alpha=0.4,
         hatch="//",
-        label="until D's TTL (next turn too late, or none)",
+        label="until freed unread (D's TTL or a lapsed lease)",
     )
     left.set_ylabel("D's retained block-hours")
     left.set_title("KV held for the next turn")
