@@ -61,6 +61,11 @@ class Recorder:
     def ids(self) -> list[str]:
         return list(dict.fromkeys(t.conversation_id for t in self.turns))
 
+    def assert_only_exact(self, conversation_id: str) -> None:
+        """The test's one conversation is ``conversation_id``, and it is token-exact."""
+        self.assert_exact(conversation_id)
+        assert self.ids() == [conversation_id]
+
     def assert_exact(self, conversation_id: str) -> None:
         """Within an epoch every prompt is the previous prompt + its output + the new messages,
         and every turn after an epoch's first one reused D's KV through the router."""
