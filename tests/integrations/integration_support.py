@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
@@ -24,6 +26,15 @@ SYSTEM = "You are a careful assistant. " + " ".join(f"Rule {i}: be brief." for i
 LOWER_BOUNDS = os.environ.get("AGENTKV_LOWER_BOUNDS") == "1"
 # P without a local prefix cache: every reused token is a verified read of D's KV.
 NO_P_CACHE = (("--no-prefix-caching",),)
+
+
+def run_process(
+    args: list[str], *, env: Mapping[str, str], cwd: Path, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """Run a child process to its end, its output captured as text (checked by the caller)."""
+    return subprocess.run(
+        args, capture_output=True, text=True, timeout=timeout, env=dict(env), cwd=cwd
+    )
 
 
 @dataclass
@@ -49,6 +60,11 @@ class Recorder:
 
     def ids(self) -> list[str]:
         return list(dict.fromkeys(t.conversation_id for t in self.turns))
+
+    def assert_only_exact(self, conversation_id: str) -> None:
+        """The test's one conversation is ``conversation_id``, and it is token-exact."""
+        self.assert_exact(conversation_id)
+        assert self.ids() == [conversation_id]
 
     def assert_exact(self, conversation_id: str) -> None:
         """Within an epoch every prompt is the previous prompt + its output + the new messages,

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 
 import pytest
-from integration_support import ADAPTER_SOURCES, ROOT
+from integration_support import ADAPTER_SOURCES, ROOT, run_process
 from stack import Stack
 
 pytestmark = pytest.mark.e2e
@@ -39,14 +38,8 @@ def test_example_runs_and_prints_its_receipts(
     path = os.pathsep.join([*sources, os.environ.get("PYTHONPATH", "")])
     url = f"{pd.router.url}/v1"
     env = {**os.environ, "PYTHONPATH": path}
-    done = subprocess.run(
-        [sys.executable, str(EXAMPLES / script), "--base-url", url, "--simulate-tools"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        cwd=ROOT,
-    )
+    args = [sys.executable, str(EXAMPLES / script), "--base-url", url, "--simulate-tools"]
+    done = run_process(args, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
     receipts = [m.groupdict() for m in RECEIPT.finditer(done.stdout)]
     assert len(receipts) >= 5, done.stdout
@@ -70,9 +63,7 @@ def test_example_runs_and_prints_its_receipts(
     assert int(summary["turns"]) == len(receipts)
     assert float(summary["saved"].replace(",", "")) > 0
     if conversation is not None:  # a rerun: a new conversation, not the last run's (stale)
-        again = subprocess.run(
-            done.args, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT
-        )
+        again = run_process(done.args, env=env, cwd=ROOT)
         assert again.returncode == 0, again.stdout + again.stderr
         rerun = [m.groupdict() for m in RECEIPT.finditer(again.stdout)]
         first = next(r for r in rerun if own.fullmatch(r["conv"]))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from integration_support import ROOT
+from integration_support import ROOT, run_process
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -248,14 +248,7 @@ def _python(
 ) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = os.pathsep.join(str(p) for p in path)
-    return subprocess.run(
-        [sys.executable, *flags, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-        cwd=cwd,
-    )
+    return run_process([sys.executable, *flags, "-c", code], env=env, cwd=cwd, timeout=60)
 
 
 @pytest.mark.parametrize("name", sorted(ADAPTERS))
@@ -380,9 +373,7 @@ def test_fresh_venv_installs_vllm_agentkv_and_the_adapters(tmp_path: Path) -> No
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
 
     def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        done = subprocess.run(
-            [python, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path
-        )
+        done = run_process([python, *args], env=env, cwd=tmp_path, timeout=timeout)
         assert done.returncode == 0, done.stdout + done.stderr
         return done
 
@@ -396,13 +387,8 @@ def test_fresh_venv_installs_vllm_agentkv_and_the_adapters(tmp_path: Path) -> No
     )
     assert run("-c", code).stdout.startswith("ok ")
     run("-m", "pip", "check")
-    sim = subprocess.run(
-        [str(env_dir / "bin" / "agentkv"), "sim", "--port", "1"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        cwd=tmp_path,
+    sim = run_process(
+        [str(env_dir / "bin" / "agentkv"), "sim", "--port", "1"], env=env, cwd=tmp_path
     )
     assert sim.returncode == 1, sim.stdout + sim.stderr
     lines = sim.stderr.strip().splitlines()
@@ -413,28 +399,14 @@ def test_fresh_venv_installs_vllm_agentkv_and_the_adapters(tmp_path: Path) -> No
     # files two distributions share) its agentkv/__init__.py in place of ours
     site_dir = Path(site)
     _fake_foreign_agentkv(site_dir, package=False)
-    strict = subprocess.run(
-        [python, "-W", "error", "-c", "import agentkv"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        cwd=tmp_path,
-    )
+    strict = run_process([python, "-W", "error", "-c", "import agentkv"], env=env, cwd=tmp_path)
     assert strict.returncode != 0 and "ForeignDistributionWarning" in strict.stderr, strict.stderr
     init = site_dir / "agentkv" / "__init__.py"
     init.write_text('"""Agent memory."""\n')
     record = site_dir / "agentkv-0.9.1.dist-info" / "RECORD"
     record.write_text(record.read_text() + "agentkv/__init__.py,,\n")
     for adapter in ADAPTERS.values():
-        refused = subprocess.run(
-            [python, "-c", f"import {adapter.module}"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env=env,
-            cwd=tmp_path,
-        )
+        refused = run_process([python, "-c", f"import {adapter.module}"], env=env, cwd=tmp_path)
         last = refused.stderr.strip().splitlines()[-1]
         assert refused.returncode != 0 and last.startswith("ImportError: "), refused.stderr
         assert f"finds {init.resolve()}, overwritten since vllm-agentkv" in last, last

@@ -6,7 +6,7 @@ import contextlib
 import contextvars
 import threading
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, Literal, cast
 
 import openai
@@ -16,6 +16,7 @@ from agents.models.openai_chatcompletions import OpenAIChatCompletionsModel
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 import agentkv
+from agentkv.adapters import bind_conversation
 from agentkv.pool import (
     AnyConversation,
     ConversationPool,
@@ -42,16 +43,10 @@ def _conversation_key(session_or_id: Any) -> str:
     raise TypeError(f"conversation() takes a session or an id, not {type(session_or_id).__name__}")
 
 
-@contextlib.contextmanager
-def conversation(session_or_id: Any) -> Iterator[str]:
+def conversation(session_or_id: Any) -> contextlib.AbstractContextManager[str]:
     """Runs started inside the block use this conversation id: a session's ``session_id``
     verbatim, or any id (``Runner.run_streamed`` started inside the block keeps it too)."""
-    key = _conversation_key(session_or_id)
-    token = _CONVERSATION.set(key)
-    try:
-        yield key
-    finally:
-        _CONVERSATION.reset(token)
+    return bind_conversation(_CONVERSATION, _conversation_key(session_or_id))
 
 
 class AgentKVModelProvider(ModelProvider):

@@ -32,14 +32,8 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr
 
 import agentkv
-from agentkv.pool import (
-    AnyConversation,
-    ConversationPool,
-    StateStore,
-    Turn,
-    TurnCallback,
-    client_factories,
-)
+from agentkv.adapters import PoolMethods, pool_for, reasoning_text, turn_metadata
+from agentkv.pool import AnyConversation, ConversationPool, StateStore, Turn, TurnCallback
 
 __all__ = ["ChatAgentKV"]
 
@@ -48,7 +42,7 @@ _LANGCHAIN_ONLY = ("ls_structured_output_format", "stream_usage")
 _StructuredMethod = Literal["function_calling", "json_mode", "json_schema"]
 
 
-class ChatAgentKV(BaseChatModel):
+class ChatAgentKV(BaseChatModel, PoolMethods):
     """A LangChain chat model backed by agentkv conversations.
 
     Each call's whole message list is matched to the conversation of its thread with
@@ -113,26 +107,13 @@ class ChatAgentKV(BaseChatModel):
 
     def model_post_init(self, context: Any, /) -> None:
         super().model_post_init(context)
-        make_client, make_async_client, owns = client_factories(
-            base_url=self.base_url,
-            api_key=self.api_key.get_secret_value() if self.api_key else None,
+        self._pool = pool_for(
+            self,
+            max_keys=self.max_threads,
             client=self.client,
             async_client=self.async_client,
-            timeout=self.timeout,
-            retries=self.retries,
-            lease_s=self.lease_s,
-        )
-        self._pool = ConversationPool(
-            model=self.model,
-            client=make_client,
-            async_client=make_async_client,
-            mode=self.mode,
-            chat_template_kwargs=self.chat_template_kwargs,
             store=self.store,
-            max_keys=self.max_threads,
-            max_lanes=self.max_lanes,
             on_turn=self.on_turn,
-            owns_clients=owns,
         )
 
     # -- a call's own config: its thread ------------------------------------------------------
@@ -204,12 +185,7 @@ class ChatAgentKV(BaseChatModel):
         params["ls_model_name"] = self.model
         return params
 
-    # -- conversations ---------------------------------------------------------------------------
-    @property
-    def pool(self) -> ConversationPool:
-        """The threads' agentkv conversations (see ``ConversationPool``)."""
-        return self._pool
-
+    # -- conversations (pool, from_state, aclose: PoolMethods) ------------------------------
     def conversation(self, thread_id: str) -> AnyConversation | None:
         """The agentkv conversation of a thread (its id is the thread id), once it has run."""
         return self._pool.conversation(thread_id)
@@ -218,17 +194,9 @@ class ChatAgentKV(BaseChatModel):
         """A thread's conversations as JSON-able state, to keep with the app's own state."""
         return self._pool.to_state(thread_id)
 
-    def from_state(self, state: Mapping[str, Any]) -> None:
-        """Take over a thread's conversations saved with :meth:`to_state`."""
-        self._pool.from_state(state)
-
     def close(self) -> None:
         """Close the sync HTTP client this model created."""
         self._pool.close()
-
-    async def aclose(self) -> None:
-        """Close the HTTP clients this model created."""
-        await self._pool.aclose()
 
     # -- turns ---------------------------------------------------------------------------------
     def _generate(
@@ -450,7 +418,7 @@ class ChatAgentKV(BaseChatModel):
         completion = turn.completion
         assert completion is not None
         message = _ai_message(completion)
-        message.response_metadata["agentkv"] = _receipt(turn)
+        message.response_metadata["agentkv"] = turn_metadata(turn)
         # on_llm_end's llm_output, as ChatOpenAI's: the usage as the server reported it
         llm_output: dict[str, Any] = {
             "token_usage": completion.usage.model_dump() if completion.usage else None,
@@ -462,7 +430,7 @@ class ChatAgentKV(BaseChatModel):
 
     def _last_chunk(self, turn: Turn, usage: Any, model_name: str | None) -> ChatGenerationChunk:
         # model_name only here: LangChain concatenates strings of merged chunks' metadata
-        metadata = {"agentkv": _receipt(turn), "model_name": model_name or self.model}
+        metadata = {"agentkv": turn_metadata(turn), "model_name": model_name or self.model}
         message = AIMessageChunk(
             content="",
             response_metadata=metadata,
@@ -608,13 +576,6 @@ def _usage(usage: Any) -> UsageMetadata | None:
     return cast(UsageMetadata, meta)
 
 
-def _reasoning(message: Any) -> str | None:
-    extra = getattr(message, "model_extra", None) or {}
-    value = getattr(message, "reasoning", None) or extra.get("reasoning")
-    value = value or getattr(message, "reasoning_content", None) or extra.get("reasoning_content")
-    return value if isinstance(value, str) and value else None
-
-
 def _ai_message(completion: ChatCompletion) -> AIMessage:
     choice = completion.choices[0]
     msg = choice.message
@@ -635,7 +596,7 @@ def _ai_message(completion: ChatCompletion) -> AIMessage:
     additional: dict[str, Any] = {}
     if msg.tool_calls:
         additional["tool_calls"] = [c.model_dump(exclude_none=True) for c in msg.tool_calls]
-    if reasoning := _reasoning(msg):
+    if reasoning := reasoning_text(msg):
         additional["reasoning_content"] = reasoning
     return AIMessage(
         content=msg.content or "",
@@ -659,7 +620,7 @@ def _chunk(raw: ChatCompletionChunk) -> ChatGenerationChunk | None:
     choice = raw.choices[0]
     delta = choice.delta
     additional: dict[str, Any] = {}
-    if reasoning := _reasoning(delta):
+    if reasoning := reasoning_text(delta):
         additional["reasoning_content"] = reasoning
     calls = [
         tool_call_chunk(
@@ -715,10 +676,3 @@ def _from_chunks(chunks: Sequence[ChatGenerationChunk]) -> ChatResult:
         generations=[ChatGeneration(message=final)],
         llm_output={"token_usage": token_usage, "model_provider": "agentkv"},
     )
-
-
-def _receipt(turn: Turn) -> dict[str, Any]:
-    data: dict[str, Any] = {"conversation_id": turn.conversation_id, "sync": turn.kind}
-    if turn.receipt is not None:
-        data.update(turn.receipt.to_dict())
-    return data

@@ -8,7 +8,7 @@ import json
 import time
 import uuid
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from llama_index.core.base.llms.generic_utils import (
@@ -39,13 +39,19 @@ from llama_index.core.llms.llm import ToolSelection
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 import agentkv
+from agentkv.adapters import (
+    PoolMethods,
+    bind_conversation,
+    pool_for,
+    reasoning_text,
+    turn_metadata,
+)
 from agentkv.pool import (
     AnyConversation,
     ConversationPool,
     StateStore,
     Turn,
     TurnCallback,
-    client_factories,
     served_models,
 )
 
@@ -76,22 +82,16 @@ def _session_id(memory_or_id: Any) -> str:
     )
 
 
-@contextlib.contextmanager
-def session(memory_or_id: Any) -> Iterator[str]:
+def session(memory_or_id: Any) -> contextlib.AbstractContextManager[str]:
     """Run the calls inside the block as the conversation of a chat session.
 
     Takes a session id, or the memory in use (``Memory.session_id``,
     ``ChatMemoryBuffer.chat_store_key``). Agents and chat engines started inside the block (their
     workflow steps are tasks that copy the context) use it."""
-    key = _session_id(memory_or_id)
-    token = _SESSION.set(key)
-    try:
-        yield key
-    finally:
-        _SESSION.reset(token)
+    return bind_conversation(_SESSION, _session_id(memory_or_id))
 
 
-class AgentKV(FunctionCallingLLM):
+class AgentKV(FunctionCallingLLM, PoolMethods):
     """A LlamaIndex function-calling LLM backed by agentkv conversations.
 
     Every call's whole message list is matched to the session's conversation with
@@ -143,27 +143,13 @@ class AgentKV(FunctionCallingLLM):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        api_key = self.api_key.get_secret_value() if self.api_key else None
-        make_client, make_async_client, owns = client_factories(
-            base_url=self.base_url,
-            api_key=api_key,
+        self._pool = pool_for(
+            self,
+            max_keys=self.max_sessions,
             client=client,
             async_client=async_client,
-            timeout=self.timeout,
-            retries=self.retries,
-            lease_s=self.lease_s,
-        )
-        self._pool = ConversationPool(
-            model=self.model,
-            client=make_client,
-            async_client=make_async_client,
-            mode=self.mode,
-            chat_template_kwargs=self.chat_template_kwargs,
             store=store,
-            max_keys=self.max_sessions,
-            max_lanes=self.max_lanes,
             on_turn=on_turn,
-            owns_clients=owns,
         )
 
     @classmethod
@@ -208,23 +194,13 @@ class AgentKV(FunctionCallingLLM):
         )
         return FALLBACK_CONTEXT_WINDOW
 
-    # -- conversations ---------------------------------------------------------------------------
-    @property
-    def pool(self) -> ConversationPool:
-        return self._pool
-
+    # -- conversations (pool, from_state, aclose: PoolMethods) ------------------------------
     def conversation(self, session_id: str) -> AnyConversation | None:
         """The agentkv conversation of a session (its id is the session id), once it has run."""
         return self._pool.conversation(session_id)
 
     def to_state(self, session_id: str) -> dict[str, Any] | None:
         return self._pool.to_state(session_id)
-
-    def from_state(self, state: Mapping[str, Any]) -> None:
-        self._pool.from_state(state)
-
-    async def aclose(self) -> None:
-        await self._pool.aclose()
 
     # -- chat ------------------------------------------------------------------------------------
     @llm_chat_callback()
@@ -457,20 +433,6 @@ def to_openai_message(message: ChatMessage) -> dict[str, Any]:
     return {"role": role, "content": text}
 
 
-def _reasoning(message: Any) -> str | None:
-    extra = getattr(message, "model_extra", None) or {}
-    value = getattr(message, "reasoning", None) or extra.get("reasoning")
-    value = value or getattr(message, "reasoning_content", None) or extra.get("reasoning_content")
-    return value if isinstance(value, str) and value else None
-
-
-def _receipt(turn: Turn) -> dict[str, Any]:
-    data: dict[str, Any] = {"conversation_id": turn.conversation_id, "sync": turn.kind}
-    if turn.receipt is not None:
-        data.update(turn.receipt.to_dict())
-    return data
-
-
 def _message(content: str, reasoning: str | None, calls: list[dict[str, Any]]) -> ChatMessage:
     blocks: list[Any] = []
     if reasoning:
@@ -494,9 +456,9 @@ def _response(completion: ChatCompletion, turn: Turn) -> ChatResponse:
     calls = [_raw_call(c) for c in msg.tool_calls or []]
     usage = completion.usage.model_dump() if completion.usage else {}
     return ChatResponse(
-        message=_message(msg.content or "", _reasoning(msg), calls),
+        message=_message(msg.content or "", reasoning_text(msg), calls),
         raw=completion,
-        additional_kwargs={"agentkv": _receipt(turn), "usage": usage},
+        additional_kwargs={"agentkv": turn_metadata(turn), "usage": usage},
     )
 
 
@@ -521,7 +483,7 @@ class _Accumulator:
             return None
         delta = chunk.choices[0].delta
         text = delta.content or ""
-        thinking = _reasoning(delta) or ""
+        thinking = reasoning_text(delta) or ""
         self.content += text
         self.reasoning += thinking
         for call in delta.tool_calls or []:
@@ -547,5 +509,5 @@ class _Accumulator:
             message=_message(self.content, self.reasoning or None, self._calls()),
             delta="",
             raw=self.usage_chunk,
-            additional_kwargs={"agentkv": _receipt(turn), "usage": self.usage},
+            additional_kwargs={"agentkv": turn_metadata(turn), "usage": self.usage},
         )
