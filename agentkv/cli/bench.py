@@ -15,73 +15,50 @@ bench_app = group(
 )
 
 
+# Help texts too long to share their option's line.
+_ENDPOINT = "agentkv router's OpenAI base URL (…/v1) of a running deployment."
+_LOCAL = "Start this profile (name or TOML) for the run [default: local]."
+_COMPARE = "Also run no reuse and unverified reuse on the same engines."
+_UNVERIFIED_ENDPOINT = "With --endpoint --compare: a router with reuse_policy=unverified."
+_MAX_TURNS = "Replay at most this many turns per session."
+_MAX_CONTEXT = "Skip sessions whose scaled prompts exceed this many tokens."
+_TOKEN_SCALE = "Multiply hashed traces' token counts (e.g. 0.0625)."
+_ROUTER_TTL = "--endpoint: the router's TTL in real seconds."
+_DECODER_TTL = "--endpoint: D's decoder_kv_blocks_ttl in real seconds."
+_SUBAGENTS = "Claude Code: sub-agents as sessions too."
+_HONOR_STARTS = "Start sessions at their trace times."
+_LEASES = "Also run agentkv with retention leases (a D with a long TTL)."
+_UI_IDLE_S = "--leases: the UI idle timeout of user waits, trace seconds."
+_MAX_HOLD_S = "--leases: D's TTL (the longest hold), trace seconds."
+_LEASE_ENDPOINT = "--endpoint --leases: a router before a D with a --max-hold-s TTL."
+
+
 @bench_app.command("replay")
 def bench_replay(
     trace: Trace,
-    endpoint: Annotated[
-        str | None,
-        typer.Option(help="agentkv router's OpenAI base URL (…/v1) of a running deployment."),
-    ] = None,
-    local: Annotated[
-        str | None,
-        typer.Option(help="Start this profile (name or TOML) for the run [default: local]."),
-    ] = None,
-    compare: Annotated[
-        bool,
-        typer.Option(
-            "--compare", help="Also run no reuse and unverified reuse on the same engines."
-        ),
-    ] = False,
-    unverified_endpoint: Annotated[
-        str | None,
-        typer.Option(help="With --endpoint --compare: a router with reuse_policy=unverified."),
-    ] = None,
+    endpoint: Annotated[str | None, typer.Option(help=_ENDPOINT)] = None,
+    local: Annotated[str | None, typer.Option(help=_LOCAL)] = None,
+    compare: Annotated[bool, typer.Option("--compare", help=_COMPARE)] = False,
+    unverified_endpoint: Annotated[str | None, typer.Option(help=_UNVERIFIED_ENDPOINT)] = None,
     sessions: Annotated[int, typer.Option(help="Sessions to replay (the first that fit).")] = 16,
     skip: Annotated[int, typer.Option(help="Skip this many fitting sessions first.")] = 0,
-    max_turns: Annotated[
-        int | None, typer.Option(help="Replay at most this many turns per session.")
-    ] = None,
-    max_context: Annotated[
-        int | None,
-        typer.Option(help="Skip sessions whose scaled prompts exceed this many tokens."),
-    ] = None,
-    token_scale: Annotated[
-        float, typer.Option(help="Multiply hashed traces' token counts (e.g. 0.0625).")
-    ] = 1.0,
+    max_turns: Annotated[int | None, typer.Option(help=_MAX_TURNS)] = None,
+    max_context: Annotated[int | None, typer.Option(help=_MAX_CONTEXT)] = None,
+    token_scale: Annotated[float, typer.Option(help=_TOKEN_SCALE)] = 1.0,
     time_scale: Annotated[float, typer.Option(help="Multiply the trace's gaps (and TTLs).")] = 1.0,
     concurrency: Annotated[int, typer.Option(help="Sessions in flight at once.")] = 8,
     preset: Annotated[str | None, typer.Option(help="--local: simulator cost preset.")] = None,
     costs: Annotated[str | None, typer.Option(help="--local: simulator cost file.")] = None,
-    router_ttl: Annotated[
-        float, typer.Option(help="--endpoint: the router's TTL in real seconds.")
-    ] = 450.0,
-    decoder_ttl: Annotated[
-        float, typer.Option(help="--endpoint: D's decoder_kv_blocks_ttl in real seconds.")
-    ] = 480.0,
+    router_ttl: Annotated[float, typer.Option(help=_ROUTER_TTL)] = 450.0,
+    decoder_ttl: Annotated[float, typer.Option(help=_DECODER_TTL)] = 480.0,
     trace_format: TraceFormat = None,
-    subagents: Annotated[
-        bool, typer.Option("--subagents", help="Claude Code: sub-agents as sessions too.")
-    ] = False,
-    honor_starts: Annotated[
-        bool, typer.Option("--honor-starts", help="Start sessions at their trace times.")
-    ] = False,
-    with_leases: Annotated[
-        bool,
-        typer.Option(
-            "--leases", help="Also run agentkv with retention leases (a D with a long TTL)."
-        ),
-    ] = False,
+    subagents: Annotated[bool, typer.Option("--subagents", help=_SUBAGENTS)] = False,
+    honor_starts: Annotated[bool, typer.Option("--honor-starts", help=_HONOR_STARTS)] = False,
+    with_leases: Annotated[bool, typer.Option("--leases", help=_LEASES)] = False,
     lease_s: Annotated[float, typer.Option(help="--leases: the lease, trace seconds.")] = 30.0,
-    ui_idle_s: Annotated[
-        float, typer.Option(help="--leases: the UI idle timeout of user waits, trace seconds.")
-    ] = 300.0,
-    max_hold_s: Annotated[
-        float, typer.Option(help="--leases: D's TTL (the longest hold), trace seconds.")
-    ] = 1800.0,
-    lease_endpoint: Annotated[
-        str | None,
-        typer.Option(help="--endpoint --leases: a router before a D with a --max-hold-s TTL."),
-    ] = None,
+    ui_idle_s: Annotated[float, typer.Option(help=_UI_IDLE_S)] = 300.0,
+    max_hold_s: Annotated[float, typer.Option(help=_MAX_HOLD_S)] = 1800.0,
+    lease_endpoint: Annotated[str | None, typer.Option(help=_LEASE_ENDPOINT)] = None,
     out: Annotated[str, typer.Option(help="Directory for the report.")] = "agentkv-replay",
     plots: Annotated[bool, typer.Option(help="Write PNG plots (needs matplotlib).")] = True,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,

@@ -9,16 +9,15 @@ import typer
 __all__ = ["check_template"]
 
 
+# Help texts too long to share their option's line.
+_TOKENIZER = "tokenizer.json (or its directory); default: the Qwen3 vocabulary."
+_CHAT_TEMPLATE_KWARGS = "JSON object of template kwargs, e.g. '{\"enable_thinking\": false}'."
+
+
 def check_template(
     template: Annotated[str, typer.Argument(help="Jinja chat template file.")],
-    tokenizer: Annotated[
-        str | None,
-        typer.Option(help="tokenizer.json (or its directory); default: the Qwen3 vocabulary."),
-    ] = None,
-    chat_template_kwargs: Annotated[
-        str | None,
-        typer.Option(help="JSON object of template kwargs, e.g. '{\"enable_thinking\": false}'."),
-    ] = None,
+    tokenizer: Annotated[str | None, typer.Option(help=_TOKENIZER)] = None,
+    chat_template_kwargs: Annotated[str | None, typer.Option(help=_CHAT_TEMPLATE_KWARGS)] = None,
 ) -> None:
     """Render a scripted 10-turn tool-using conversation with reasoning through TEMPLATE and
     report, per turn, whether messages mode stays prefix-stable (else the hazard, token and

@@ -11,30 +11,31 @@ from agentkv.cli._common import BlockSize, Trace, TraceFormat, floats, print_row
 __all__ = ["plan"]
 
 
+# Help texts too long to share their option's line.
+_COSTS = "Cost file (from `agentkv calibrate`, or CostModel fields)."
+_PRESET = "Simulator cost preset [default: qwen3-32b-p5en]."
+_THRESHOLD = "kv_recompute_threshold values to try, comma-separated."
+_TARGET = "Recommend the shortest TTL capturing this share of the best."
+_OFFLOAD_HORIZON = "How long a CPU tier keeps KV (s)."
+_RETENTION = "Retention policies to compare: fixed,oracle,lease,lease-sweep."
+_RETENTION_TTL = "Fixed TTLs (s) of the fixed policy, comma-separated."
+_UI_IDLE_S = "Lease: a user wait's agent is dead after this long (s)."
+_LEASE_S = "Lease: lapses this long after the agent dies (s)."
+_MAX_HOLD_S = "Lease: D's TTL, the longest any hold lasts (s)."
+_JSON_OUT = "Write the plan and the retention table to this file."
+
+
 def plan(
     trace: Trace,
-    costs: Annotated[
-        str | None,
-        typer.Option(help="Cost file (from `agentkv calibrate`, or CostModel fields)."),
-    ] = None,
-    preset: Annotated[
-        str | None,
-        typer.Option(help="Simulator cost preset [default: qwen3-32b-p5en]."),
-    ] = None,
+    costs: Annotated[str | None, typer.Option(help=_COSTS)] = None,
+    preset: Annotated[str | None, typer.Option(help=_PRESET)] = None,
     sessions: Annotated[int | None, typer.Option(help="Use only the first N sessions.")] = None,
     block_size: BlockSize = 16,
     ttl: Annotated[str | None, typer.Option(help="D TTLs to try (s), comma-separated.")] = None,
-    threshold: Annotated[
-        str | None,
-        typer.Option(help="kv_recompute_threshold values to try, comma-separated."),
-    ] = None,
-    target: Annotated[
-        float, typer.Option(help="Recommend the shortest TTL capturing this share of the best.")
-    ] = 0.95,
+    threshold: Annotated[str | None, typer.Option(help=_THRESHOLD)] = None,
+    target: Annotated[float, typer.Option(help=_TARGET)] = 0.95,
     offload_gbps: Annotated[float, typer.Option(help="CPU tier read bandwidth (GB/s).")] = 25.0,
-    offload_horizon: Annotated[
-        float, typer.Option(help="How long a CPU tier keeps KV (s).")
-    ] = 3600.0,
+    offload_horizon: Annotated[float, typer.Option(help=_OFFLOAD_HORIZON)] = 3600.0,
     epoch_rule: Annotated[
         bool,
         typer.Option(
@@ -44,26 +45,12 @@ def plan(
     ] = False,
     trace_format: TraceFormat = None,
     out: Annotated[str | None, typer.Option(help="Directory for plan.json and plan.png.")] = None,
-    retention: Annotated[
-        str | None,
-        typer.Option(help="Retention policies to compare: fixed,oracle,lease,lease-sweep."),
-    ] = None,
-    retention_ttl: Annotated[
-        str, typer.Option(help="Fixed TTLs (s) of the fixed policy, comma-separated.")
-    ] = "60,450,900,1800",
-    ui_idle_s: Annotated[
-        float, typer.Option(help="Lease: a user wait's agent is dead after this long (s).")
-    ] = 300.0,
-    lease_s: Annotated[
-        float, typer.Option(help="Lease: lapses this long after the agent dies (s).")
-    ] = 30.0,
-    max_hold_s: Annotated[
-        float, typer.Option(help="Lease: D's TTL, the longest any hold lasts (s).")
-    ] = 1800.0,
-    json_out: Annotated[
-        str | None,
-        typer.Option("--json", help="Write the plan and the retention table to this file."),
-    ] = None,
+    retention: Annotated[str | None, typer.Option(help=_RETENTION)] = None,
+    retention_ttl: Annotated[str, typer.Option(help=_RETENTION_TTL)] = "60,450,900,1800",
+    ui_idle_s: Annotated[float, typer.Option(help=_UI_IDLE_S)] = 300.0,
+    lease_s: Annotated[float, typer.Option(help=_LEASE_S)] = 30.0,
+    max_hold_s: Annotated[float, typer.Option(help=_MAX_HOLD_S)] = 1800.0,
+    json_out: Annotated[str | None, typer.Option("--json", help=_JSON_OUT)] = None,
 ) -> None:
     """Recommend decoder_kv_blocks_ttl, the router TTL and kv_recompute_threshold from a trace's
     gaps and token profile, and say whether a CPU offload tier pays beyond the TTL;

@@ -16,37 +16,29 @@ _ROUTER_FLAGS = {
 }
 
 
+# Help texts too long to share their option's line.
+_PREFILL = "Prefill instance URL (repeat for several)."
+_DECODE = "Decode instance URL (repeat for several)."
+_CONFIG = "TOML or JSON router config (flags override it)."
+_HOST = "Interface to listen on [default: 127.0.0.1]."
+_METRICS_PORT = "Serve /metrics on this port instead of the main one."
+_LOG_FORMAT = "text (control characters escaped) or json (one object a line)."
+
+
 def router(
-    prefill: Annotated[
-        list[str] | None,
-        typer.Option("--prefill", help="Prefill instance URL (repeat for several)."),
-    ] = None,
-    decode: Annotated[
-        list[str] | None,
-        typer.Option("--decode", help="Decode instance URL (repeat for several)."),
-    ] = None,
-    config: Annotated[
-        str | None,
-        typer.Option(help="TOML or JSON router config (flags override it)."),
-    ] = None,
-    host: Annotated[
-        str | None, typer.Option(help="Interface to listen on [default: 127.0.0.1].")
-    ] = None,
+    prefill: Annotated[list[str] | None, typer.Option("--prefill", help=_PREFILL)] = None,
+    decode: Annotated[list[str] | None, typer.Option("--decode", help=_DECODE)] = None,
+    config: Annotated[str | None, typer.Option(help=_CONFIG)] = None,
+    host: Annotated[str | None, typer.Option(help=_HOST)] = None,
     port: Annotated[int | None, typer.Option(help="Port to listen on [default: 8000].")] = None,
     block_size: Annotated[int | None, typer.Option(help="Engines' KV block size.")] = None,
     decoder_kv_blocks_ttl: Annotated[
         float | None, typer.Option(help="D's decoder_kv_blocks_ttl (s).")
     ] = None,
     store: Annotated[str | None, typer.Option(help="memory or redis://host:port/db")] = None,
-    metrics_port: Annotated[
-        int | None,
-        typer.Option(help="Serve /metrics on this port instead of the main one."),
-    ] = None,
+    metrics_port: Annotated[int | None, typer.Option(help=_METRICS_PORT)] = None,
     log_level: Annotated[str, typer.Option(help="Log level.")] = "info",
-    log_format: Annotated[
-        str | None,
-        typer.Option(help="text (control characters escaped) or json (one object a line)."),
-    ] = None,
+    log_format: Annotated[str | None, typer.Option(help=_LOG_FORMAT)] = None,
 ) -> None:
     """Run agentkv's KV-aware P/D router: verified bidirectional KV reuse per conversation.
 

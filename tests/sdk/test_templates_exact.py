@@ -323,17 +323,21 @@ def test_a_cut_turn_gets_the_templates_end_of_turn(
 
 
 # -- messages mode ------------------------------------------------------------------------------
+def _weather(n: int, city: str, reasoning: str) -> dict[str, Any]:
+    """An assistant turn whose call number ``n`` asks get_weather for ``city``."""
+    call = {"name": "get_weather", "arguments": json.dumps({"city": city})}
+    return {
+        "reasoning": reasoning,
+        "content": "",
+        "tool_calls": [{"id": f"call{n:05d}", "type": "function", "function": call}],
+    }
+
+
 TOOLED = [
-    ({"role": "user", "content": "Weather in Paris?"}, {
-        "reasoning": "Need the tool.", "content": "",
-        "tool_calls": [{"id": "call00001", "type": "function", "function": {
-            "name": "get_weather", "arguments": '{"city": "Paris"}'}}]}),
+    ({"role": "user", "content": "Weather in Paris?"}, _weather(1, "Paris", "Need the tool.")),
     ({"role": "tool", "content": '{"temp_c": 18}'}, {
         "reasoning": "Got it.", "content": "It is 18 C in Paris"}),
-    ({"role": "user", "content": "And Oslo?"}, {
-        "reasoning": "Again the tool.", "content": "",
-        "tool_calls": [{"id": "call00002", "type": "function", "function": {
-            "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]}),
+    ({"role": "user", "content": "And Oslo?"}, _weather(2, "Oslo", "Again the tool.")),
     ({"role": "tool", "content": '{"temp_c": 3}'}, {
         "reasoning": "Cold.", "content": "It is 3 C in Oslo"}),
 ]  # fmt: skip
