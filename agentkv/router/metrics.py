@@ -2,115 +2,106 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from agentkv.protocol.names import RouterMetric
+from agentkv.protocol.families import Family, build
+from agentkv.protocol.names import RouterMetric as R
 
 __all__ = ["RouterMetrics"]
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_AGE = (1, 5, 15, 30, 60, 120, 240, 360, 450, 480)
 
 
 class RouterMetrics:
-    """Counters and histograms of one router; ``render()`` is the ``/metrics`` text."""
+    """Counters and histograms of one router; ``render()`` is the ``/metrics`` text.
+
+    The families below are made in this instance's own registry, in this order, by ``build``.
+    """
+
+    requests = Family(
+        Counter, R.REQUESTS, "Requests by endpoint and decision.", ("endpoint", "decision")
+    )
+    failed = Family(
+        Counter, R.FAILED_REQUESTS, "Requests answered with an error, by status.", ("status",)
+    )
+    reused_tokens = Family(
+        Counter,
+        R.REUSED_TOKENS,
+        "Prompt tokens P reads from D's blocks: M = max(0, min(C, N) - L), estimated where "
+        "P's KV events are off.",
+    )
+    prompt_tokens = Family(
+        Counter, R.PROMPT_TOKENS, "Prompt tokens of answered turns (reuse ratio = reused / prompt)."
+    )
+    local_prefix_tokens = Family(
+        Counter,
+        R.LOCAL_PREFIX_TOKENS,
+        "Prompt tokens P already held in its own prefix cache (L, from its KV events).",
+    )
+    estimated = Family(
+        Counter,
+        R.ESTIMATED_TURNS,
+        "Turns whose reuse figure is an estimate (L unknown: P's KV events off).",
+    )
+    trimmed = Family(
+        Counter,
+        R.TRIMMED_TURNS,
+        "Turns that used less than the whole handle, by cause (rewrite or drift).",
+        ("cause",),
+    )
+    abandoned = Family(
+        Counter,
+        R.ABANDONED_STREAMS,
+        "Streams whose client left before the end: drained (D read to the end, its handle "
+        "kept) or aborted.",
+        ("outcome",),
+    )
+    store_errors = Family(
+        Counter,
+        R.STORE_ERRORS,
+        "Handle-store calls that failed or were skipped by the open breaker, by operation.",
+        ("op",),
+    )
+    verified_tokens = Family(
+        Counter, R.VERIFIED_TOKENS, "Prompt tokens verified against what D holds."
+    )
+    released = Family(
+        Counter,
+        R.HANDLES_RELEASED,
+        "Handles released early (remote_num_tokens 0), by reason.",
+        ("reason",),
+    )
+    handle_age = Family(
+        Histogram, R.HANDLE_AGE_SECONDS, "Age of a handle when a turn takes it.", buckets=_AGE
+    )
+    upstream_errors = Family(Counter, R.UPSTREAM_ERRORS, "Failed upstream calls.", ("role", "kind"))
+    retries = Family(Counter, R.RETRIES, "Upstream retries, by reason.", ("reason",))
+    p_seconds = Family(Histogram, R.PREFILL_SECONDS, "P request latency.", buckets=_LATENCY)
+    d_first_byte = Family(
+        Histogram, R.DECODE_FIRST_BYTE_SECONDS, "D time to first byte.", buckets=_LATENCY
+    )
+    turn_seconds = Family(
+        Histogram,
+        R.TURN_SECONDS,
+        "Whole turn latency (to D's last byte), by decision.",
+        ("decision",),
+        buckets=_LATENCY,
+    )
+    first_byte = Family(
+        Histogram,
+        R.FIRST_BYTE_SECONDS,
+        "From the client's request to D's first byte (P, the KV read and D's first byte: "
+        "the router's TTFT), by decision.",
+        ("decision",),
+        buckets=_LATENCY,
+    )
+    store_size = Family(Gauge, R.STORE_HANDLES, "Handles held in the store.")
+    healthy = Family(Gauge, R.ENGINE_HEALTHY, "1 when the engine is in rotation.", ("role", "url"))
 
     def __init__(self) -> None:
-        r = self.registry = CollectorRegistry(auto_describe=True)
-
-        def counter(name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
-            return Counter(name, doc, labels, registry=r)
-
-        def histogram(
-            name: str, doc: str, labels: Sequence[str] = (), *, buckets: Sequence[float] = _LATENCY
-        ) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=r)
-
-        self.requests = counter(
-            RouterMetric.REQUESTS,
-            "Requests by endpoint and decision.",
-            ("endpoint", "decision"),
-        )
-        self.failed = counter(
-            RouterMetric.FAILED_REQUESTS,
-            "Requests answered with an error, by status.",
-            ("status",),
-        )
-        self.reused_tokens = counter(
-            RouterMetric.REUSED_TOKENS,
-            "Prompt tokens P reads from D's blocks: M = max(0, min(C, N) - L), estimated where "
-            "P's KV events are off.",
-        )
-        self.prompt_tokens = counter(
-            RouterMetric.PROMPT_TOKENS,
-            "Prompt tokens of answered turns (reuse ratio = reused / prompt).",
-        )
-        self.local_prefix_tokens = counter(
-            RouterMetric.LOCAL_PREFIX_TOKENS,
-            "Prompt tokens P already held in its own prefix cache (L, from its KV events).",
-        )
-        self.estimated = counter(
-            RouterMetric.ESTIMATED_TURNS,
-            "Turns whose reuse figure is an estimate (L unknown: P's KV events off).",
-        )
-        self.trimmed = counter(
-            RouterMetric.TRIMMED_TURNS,
-            "Turns that used less than the whole handle, by cause (rewrite or drift).",
-            ("cause",),
-        )
-        self.abandoned = counter(
-            RouterMetric.ABANDONED_STREAMS,
-            "Streams whose client left before the end: drained (D read to the end, its handle "
-            "kept) or aborted.",
-            ("outcome",),
-        )
-        self.store_errors = counter(
-            RouterMetric.STORE_ERRORS,
-            "Handle-store calls that failed or were skipped by the open breaker, by operation.",
-            ("op",),
-        )
-        self.verified_tokens = counter(
-            RouterMetric.VERIFIED_TOKENS, "Prompt tokens verified against what D holds."
-        )
-        self.released = counter(
-            RouterMetric.HANDLES_RELEASED,
-            "Handles released early (remote_num_tokens 0), by reason.",
-            ("reason",),
-        )
-        self.handle_age = histogram(
-            RouterMetric.HANDLE_AGE_SECONDS,
-            "Age of a handle when a turn takes it.",
-            buckets=(1, 5, 15, 30, 60, 120, 240, 360, 450, 480),
-        )
-        self.upstream_errors = counter(
-            RouterMetric.UPSTREAM_ERRORS, "Failed upstream calls.", ("role", "kind")
-        )
-        self.retries = counter(RouterMetric.RETRIES, "Upstream retries, by reason.", ("reason",))
-        self.p_seconds = histogram(RouterMetric.PREFILL_SECONDS, "P request latency.")
-        self.d_first_byte = histogram(
-            RouterMetric.DECODE_FIRST_BYTE_SECONDS, "D time to first byte."
-        )
-        self.turn_seconds = histogram(
-            RouterMetric.TURN_SECONDS,
-            "Whole turn latency (to D's last byte), by decision.",
-            ("decision",),
-        )
-        self.first_byte = histogram(
-            RouterMetric.FIRST_BYTE_SECONDS,
-            "From the client's request to D's first byte (P, the KV read and D's first byte: "
-            "the router's TTFT), by decision.",
-            ("decision",),
-        )
-        self.store_size = Gauge(
-            RouterMetric.STORE_HANDLES, "Handles held in the store.", registry=r
-        )
-        self.healthy = Gauge(
-            RouterMetric.ENGINE_HEALTHY,
-            "1 when the engine is in rotation.",
-            ("role", "url"),
-            registry=r,
-        )
+        self.registry = CollectorRegistry(auto_describe=True)
+        build(self, self.registry)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -38,6 +38,11 @@ class Cluster:
         return parse_metrics(text)
 
 
+def openai_error(message: str, kind: str, code: int) -> dict[str, Any]:
+    """The ``error`` of an OpenAI-style error body, as vLLM answers it."""
+    return {"message": message, "type": kind, "param": None, "code": code}
+
+
 class _Router(httpx.AsyncBaseTransport):
     def __init__(self, apps: dict[int, Any]) -> None:
         self.apps = apps

@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+from cluster import openai_error
 from starlette.applications import Starlette
 
 from agentkv.chat import load_template, load_tokenizer
@@ -71,18 +72,14 @@ async def metrics(client: httpx.AsyncClient) -> dict[str, float]:
 async def test_fail_next_fails_that_many_then_recovers(client, status):
     knobs = await set_faults(client, fail_next=2, fail_status=status, fail_message="try later")
     assert knobs["fail_next"] == 2 and knobs["fail_status"] == status
+    kind = {500: "InternalServerError", 503: "ServiceUnavailableError"}.get(
+        status, "RateLimitError"
+    )
     before = await metrics(client)
     for path, body in ((CHAT, {"messages": MESSAGES}), ("/v1/completions", {"prompt": "Hi"})):
         r = await client.post(path, json=body)
         assert r.status_code == status
-        assert r.json()["error"] == {
-            "message": "try later",
-            "type": {500: "InternalServerError", 503: "ServiceUnavailableError"}.get(
-                status, "RateLimitError"
-            ),
-            "param": None,
-            "code": status,
-        }
+        assert r.json()["error"] == openai_error("try later", kind, status)
     assert await metrics(client) == before  # the engine never saw them
     assert (await client.get("/_sim/faults")).json()["fail_next"] == 0
     ok = await client.post(CHAT, json={"messages": MESSAGES})

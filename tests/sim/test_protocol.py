@@ -12,7 +12,7 @@ import math
 from typing import Any
 
 import pytest
-from cluster import D_PORT, P_PORT, Cluster, make_cluster
+from cluster import D_PORT, P_PORT, Cluster, make_cluster, openai_error
 
 pytestmark = pytest.mark.anyio
 
@@ -187,12 +187,7 @@ async def test_expired_read_under_fail_policy_is_http_500():
     c.clock.advance(476)
     r = await prefill(c, PROMPT + out + TAIL, handle)
     assert r.status_code == 500
-    assert r.json()["error"] == {
-        "message": "Internal server error",
-        "type": "InternalServerError",
-        "param": None,
-        "code": 500,
-    }
+    assert r.json()["error"] == openai_error("Internal server error", "InternalServerError", 500)
 
 
 async def test_d_reaps_blocks_at_ttl_and_counts_block_seconds():

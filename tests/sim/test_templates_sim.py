@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
+from cluster import openai_error
 from starlette.applications import Starlette
 from templates_support import CONVERSATION, KNOWN_ERRORS, TEMPLATES_DIR, TOOLS, real_templates
 
@@ -46,12 +47,7 @@ async def post(name: str, path: str, body: dict[str, Any]) -> httpx.Response:
 
 def assert_template_error(r: httpx.Response, name: str) -> None:
     assert r.status_code == 400, r.text
-    assert r.json()["error"] == {
-        "message": KNOWN_ERRORS[name],
-        "type": "BadRequestError",
-        "param": None,
-        "code": 400,
-    }
+    assert r.json()["error"] == openai_error(KNOWN_ERRORS[name], "BadRequestError", 400)
 
 
 def test_known_failures_are_real_templates():
