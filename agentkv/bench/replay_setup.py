@@ -25,16 +25,9 @@ from agentkv.bench.runner import (
     stack_settings,
     stack_target,
 )
+from agentkv.serve.setup import SetupError
 
 __all__ = ["EndpointTTLs", "SetupError", "endpoint_run", "local_run"]
-
-
-class SetupError(Exception):
-    """The run cannot start; ``exit_code`` 2 for bad options, 1 for a deployment that failed."""
-
-    def __init__(self, message: str, exit_code: int = 2) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 @dataclass(frozen=True)
@@ -50,7 +43,7 @@ def _served_model(endpoint: str) -> str:
         models = httpx.get(endpoint.rstrip("/") + "/models", timeout=10, trust_env=False).json()
         return str(models["data"][0]["id"])
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
-        raise SetupError(f"{endpoint}/models: {exc}") from exc
+        raise SetupError(f"{endpoint}/models: {exc}", status=2) from exc
 
 
 def _endpoint_settings(
@@ -85,10 +78,10 @@ def endpoint_run(
     ``lease_ttls``, real seconds; by default D's is ``lease.max_hold_s`` scaled and the
     router's 30 trace seconds less)."""
     if compare and not unverified_endpoint:
-        raise SetupError("--endpoint --compare needs --unverified-endpoint")
+        raise SetupError("--endpoint --compare needs --unverified-endpoint", status=2)
     if lease is not None and not lease_endpoint:
         raise SetupError(
-            "--endpoint --leases needs --lease-endpoint (a router before a long-TTL D)"
+            "--endpoint --leases needs --lease-endpoint (a router before a long-TTL D)", status=2
         )
     model = _served_model(endpoint)
     settings = _endpoint_settings(
@@ -157,7 +150,7 @@ def local_run(
                     )
                 )
         except Exception as exc:
-            raise SetupError(f"could not start {profile}: {exc}", exit_code=1) from exc
+            raise SetupError(f"could not start {profile}: {exc}", status=1) from exc
         targets: dict[Policy, str] = {"agentkv": s.base_url}
         if compare:
             assert s.unverified_url is not None

@@ -139,7 +139,7 @@ def bench_replay(
                 )
         except setup.SetupError as exc:
             typer.echo(f"agentkv bench replay: {exc}", err=True)
-            raise typer.Exit(exc.exit_code) from exc
+            raise typer.Exit(exc.status) from exc
         outcome = runner.run(
             chosen,
             run,
