@@ -1,5 +1,5 @@
 """Read Prometheus text exposition (``/metrics``) the way agentkv's tests and benchmarks need (pure
-standard library: ``agentkv.promtext`` re-exports it)."""
+standard library)."""
 
 from __future__ import annotations
 
