@@ -32,6 +32,7 @@ __all__ = [
     "asks_for_handle",
     "block_ids",
     "can_read_from_decode",
+    "engine_id",
     "expiry_time",
     "handle_key",
     "is_prefill_handle",
@@ -190,6 +191,13 @@ def address(params: Params) -> HandleAddress:
         request_id=str(params.get("remote_request_id")),
         engine_id=str(params.get("remote_engine_id")),
     )
+
+
+def engine_id(params: Params) -> str | None:
+    """``remote_engine_id``: the engine instance that holds the handle's blocks (a restarted
+    engine has a new one), or None."""
+    value = params.get("remote_engine_id")
+    return value if isinstance(value, str) and value else None
 
 
 def handle_key(params: Params) -> str:

@@ -29,6 +29,7 @@ __all__ = [
     "HEADER_REQUEST_ID",
     "HEADER_REUSED_TOKENS",
     "HEADER_SESSION_ID",
+    "HEADER_SIM_ENGINE_ID",
     "HEADER_SIM_MODEL_TTFT_MS",
     "HEADER_SIM_WRONG_KV_TOKENS",
     "HEADER_TRIM_CAUSE",
@@ -75,6 +76,9 @@ HEADER_SIM_WRONG_KV_TOKENS: Final = "X-AgentKV-Sim-Wrong-KV-Tokens"
 """Set by the simulator when a request ran on KV computed for other tokens (silent corruption)."""
 HEADER_SIM_MODEL_TTFT_MS: Final = "X-AgentKV-Sim-Model-TTFT-Ms"
 """The cost model's time to first token for this request, before ``--time-scale``."""
+HEADER_SIM_ENGINE_ID: Final = "X-AgentKV-Sim-Engine-Id"
+"""The simulator's engine id (vLLM's ``kv_transfer_config.engine_id``) on every answer, ``/health``
+included: a router learns which engine instance is behind a URL without waiting for a handle."""
 
 # -- body fields ---------------------------------------------------------------------------------
 BODY_KV_TRANSFER_PARAMS: Final = "kv_transfer_params"
@@ -159,3 +163,5 @@ class RouterMetric:
     FIRST_BYTE_SECONDS: Final = "agentkv_router_first_byte_seconds"
     STORE_HANDLES: Final = "agentkv_router_store_handles"
     ENGINE_HEALTHY: Final = "agentkv_router_engine_healthy"
+    ENGINE_RESTARTS: Final = "agentkv_router_engine_restarts"
+    HANDLES_DROPPED: Final = "agentkv_router_handles_dropped"

@@ -112,7 +112,13 @@ class RouterConfig(BaseModel):
     kv_recompute_threshold: int = Field(64, ge=0)
     """Attach a handle only when it brings at least this many verified tokens."""
     prefill_deadline_s: float = Field(30.0, gt=0)
-    """A P request carrying a handle that has not answered by then is retried without it."""
+    """Every P request (``max_tokens`` 1) answers within this plus
+    ``prefill_deadline_per_1k_tokens_s`` per thousand prompt tokens: past it, one carrying a
+    handle is retried without it, and one without is retried on another P while the stalled P
+    leaves the rotation until its health check passes (a P that hangs but answers its health
+    checks never holds a turn longer)."""
+    prefill_deadline_per_1k_tokens_s: float = Field(0.5, ge=0)
+    """What each thousand prompt tokens add to ``prefill_deadline_s``."""
     request_timeout_s: float = Field(600.0, gt=0)
     upstream_client: Literal["aiohttp", "httpx"] = "aiohttp"
     """The HTTP client to the engines (aiohttp: its pool costs the same at any size; httpx is
@@ -148,6 +154,10 @@ class RouterConfig(BaseModel):
     decode_first_byte_timeout_s: float = Field(30.0, gt=0)
     """A streamed D request that has sent nothing by then is retried on another D (after a
     fresh P pass) and the stalled D leaves the rotation until its health check passes."""
+    decode_token_timeout_s: float = Field(0.5, gt=0)
+    """A non-streamed D answer (whose first byte is its whole answer) gets
+    ``decode_first_byte_timeout_s`` plus this per output token it may generate
+    (``max_tokens``, else what the context leaves), then is treated as a stalled D."""
     drain_timeout_s: float = Field(120.0, gt=0)
     """When a client hangs up mid-stream, the router reads D on for up to this long so D
     finishes the turn and its handle is kept."""

@@ -86,8 +86,12 @@ class GuardedStore:
     async def delete(self, key: StoreKey) -> list[StoredHandle]:
         return await self._call("delete", lambda: self.inner.delete(key), [])
 
-    async def drop_decode(self, decode_url: str) -> int:
-        return await self._call("drop_decode", lambda: self.inner.drop_decode(decode_url), 0)
+    async def drop_decode(self, decode_url: str, *, except_engine_id: str | None = None) -> int:
+        return await self._call(
+            "drop_decode",
+            lambda: self.inner.drop_decode(decode_url, except_engine_id=except_engine_id),
+            0,
+        )
 
     async def take_oldest(self, decode_url: str, fraction: float) -> list[StoredHandle]:
         return await self._call(

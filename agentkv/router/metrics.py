@@ -98,6 +98,19 @@ class RouterMetrics:
     )
     store_size = Family(Gauge, R.STORE_HANDLES, "Handles held in the store.")
     healthy = Family(Gauge, R.ENGINE_HEALTHY, "1 when the engine is in rotation.", ("role", "url"))
+    restarts = Family(
+        Counter,
+        R.ENGINE_RESTARTS,
+        "Engines seen with a new engine id behind the same URL (restarted), by role.",
+        ("role",),
+    )
+    dropped = Family(
+        Counter,
+        R.HANDLES_DROPPED,
+        "Stored handles dropped unread because their D is gone (ejected, or restarted: the "
+        "engine behind the URL is no longer the one that issued them), by reason.",
+        ("reason",),
+    )
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)

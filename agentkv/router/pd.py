@@ -36,9 +36,7 @@ from opentelemetry import trace
 from pydantic import ValidationError
 from starlette.responses import Response, StreamingResponse
 
-from agentkv.protocol import (
-    KVTransferParams,
-)
+from agentkv.protocol import HEADER_SIM_ENGINE_ID, KVTransferParams
 from agentkv.protocol import kv_transfer as kvt
 from agentkv.protocol.http import ORJSONResponse
 from agentkv.router.config import RouterConfig
@@ -52,7 +50,7 @@ from agentkv.router.relay import Relay, StreamOutcome
 from agentkv.router.request import ClientRequest, RouterError
 from agentkv.router.retention import Retention
 from agentkv.router.sse import Captured, clean_response, synthesize_stream
-from agentkv.router.store import StoredHandle, StoreKey
+from agentkv.router.store import StoredHandle, StoreKey, Taken
 from agentkv.router.tracing import trace_headers
 from agentkv.router.upstream import EnginePool, Upstream, pick_decode, pick_prefill
 from agentkv.router.verify import PromptHashes, ReusePlan, hash_root, held_record, plan_reuse
@@ -132,6 +130,8 @@ class Router:
         self._background: set[asyncio.Task[None]] = set()
         for engine in pool.decode:
             engine.on_eject.append(self._drop_handles_of)
+            engine.on_new_identity.append(self._drop_handles_of_old)
+        self._decode_by_url = {e.url: e for e in pool.decode}
 
     # -- background work -------------------------------------------------------------------
     def _spawn(self, coro: Any) -> None:
@@ -152,9 +152,36 @@ class Router:
         async def drop() -> None:
             n = await self.store.drop_decode(engine.url)
             if n:
+                self.metrics.dropped.labels("ejected").inc(n)
                 log.warning("dropped %d handles of ejected decode %s", n, engine.url)
 
         self._spawn(drop())
+
+    def _drop_handles_of_old(self, engine: Upstream, engine_id: str) -> None:
+        """A new engine behind a D's URL: its predecessor's handles name blocks that are gone
+        (or, worse, blocks the new engine uses for other tokens). Dropped, never released: a
+        notify would go to the new engine about a request it never had."""
+        self.metrics.restarts.labels(engine.role).inc()
+
+        async def drop() -> None:
+            n = await self.store.drop_decode(engine.url, except_engine_id=engine_id)
+            if n:
+                self.metrics.dropped.labels("restarted").inc(n)
+                log.warning("dropped %d handles of restarted decode %s", n, engine.url)
+
+        self._spawn(drop())
+
+    def _readable(self, candidate: Taken) -> bool | None:
+        """Whether a stored handle's D is the engine that issued it: True, False (it is gone:
+        another engine is behind the URL, or the URL left the configuration), or None (the D is
+        not identified now: the handle waits)."""
+        handle = candidate.handle
+        engine = self._decode_by_url.get(handle.decode_url)
+        if engine is None:
+            return False
+        if engine.identity is None:
+            return None
+        return kvt.engine_id(handle.params) == engine.identity
 
     async def release(self, handle: StoredHandle, reason: str) -> None:
         """Tell D to free a handle's blocks now: a notify-only P request, tried like a turn's
@@ -236,6 +263,33 @@ class Router:
             last = RuntimeError(f"/tokenize answered {r.status_code}")
         log.warning("could not tokenize a prompt: %s", safe(repr(last)))
         raise RouterError(503, "Could not tokenize the prompt: no prefill instance answered.")
+
+    def _check_context(self, req: ClientRequest, n: int) -> None:
+        """Refuse what the engines would (vLLM's messages): a prompt or ``max_tokens`` past the
+        served context length. P alone would accept it and read D's blocks, and D's refusal
+        would come after the conversation's handle was spent."""
+        known = [e.max_model_len for e in self.pool.all if e.max_model_len is not None]
+        if not known:
+            return
+        limit = min(known)
+        if n > limit:
+            raise RouterError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, your prompt "
+                f"contains {n} input tokens, which exceeds this limit even without any output "
+                "tokens. Please reduce the length of the input prompt.",
+                param="input_tokens",
+            )
+        most = req.body.get("max_completion_tokens") or req.body.get("max_tokens")
+        if isinstance(most, int) and n + most > limit:
+            raise RouterError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{most} output tokens and your prompt contains {n} input tokens, for a total of "
+                f"{n + most} tokens. Please reduce the length of the input prompt or the number "
+                "of requested output tokens.",
+                param="max_tokens",
+            )
 
     # -- 3. prefill --------------------------------------------------------------------------
     def _choose_prefill(
@@ -337,7 +391,8 @@ class Router:
                 if key in req.body:
                     body[key] = req.body[key]
             reads = plan.params is not None and not plan.release
-            timeout = cfg.prefill_deadline_s if reads else cfg.request_timeout_s
+            per_1k = cfg.prefill_deadline_per_1k_tokens_s
+            timeout = cfg.prefill_deadline_s + len(ids) / 1000 * per_1k
             engine.outstanding_tokens += len(ids)
             started = time.perf_counter()
             try:
@@ -353,7 +408,9 @@ class Router:
                     )
                     self.metrics.retries.labels("deadline").inc()
                 else:
-                    engine.failed(cfg.eject_after_failures)
+                    log.warning("prefill %s passed its deadline: retrying on another", engine.url)
+                    self.metrics.retries.labels("prefill_deadline").inc()
+                    engine.failed(1)  # a stalled P: out of rotation until its check passes
                 self._lost(at, "deadline")
                 continue
             except TransportError:
@@ -412,7 +469,14 @@ class Router:
     ) -> ReusePlan:
         """Choose and take a handle; a handle another replica took first is skipped."""
         can_pull = any(e.healthy and e.backend.bidirectional for e in self.pool.prefill)
-        candidates = await self.store.candidates(key) if key else []
+        candidates = []
+        for candidate in await self.store.candidates(key) if key else []:
+            readable = self._readable(candidate)
+            if readable:
+                candidates.append(candidate)
+            elif readable is False and key is not None:
+                self.metrics.dropped.labels("restarted").inc()
+                self._spawn(self.store.take(key, candidate.handle.id))
         for _ in range(3):
             plan = plan_reuse(
                 candidates,
@@ -447,6 +511,7 @@ class Router:
     async def _turn(self, req: ClientRequest, span: trace.Span) -> Response:
         started = time.perf_counter()
         ids = await self.prompt_ids(req)
+        self._check_context(req, len(ids))
         key: StoreKey | None = (req.tenant, req.conversation_id) if req.conversation_id else None
         if key is not None and req.lease_s is not None:
             await self.retention.renew(key, req.lease_s)
@@ -506,17 +571,18 @@ class Router:
             body.pop("stream_options", None)
         engine.outstanding_requests += 1
         t0 = time.perf_counter()
-        first_byte = self.config.decode_first_byte_timeout_s if relay else None
+        first_byte = self._first_byte_deadline(req, len(ids), engine, relay)
         try:
             send = engine.client.stream(req.path, body, trace_headers())
-            upstream = await (asyncio.wait_for(send, first_byte) if first_byte else send)
+            upstream = await asyncio.wait_for(send, first_byte)
         except (TransportError, asyncio.TimeoutError) as exc:
             engine.outstanding_requests -= 1
             kind = "first_byte" if isinstance(exc, asyncio.TimeoutError) else "connect"
             if kind == "first_byte":
-                log.warning("decode %s sent nothing within %.0f s", engine.url, first_byte or 0)
+                log.warning("decode %s sent nothing within %.0f s", engine.url, first_byte)
                 engine.failed(1)  # a stalled engine: out of rotation until its check passes
             else:
+                engine.suspect()  # unreachable: it may come back as another engine
                 engine.failed(self.config.eject_after_failures)
             self.metrics.upstream_errors.labels("decode", kind).inc()
             raise _BeforeFirstByte() from None
@@ -529,6 +595,7 @@ class Router:
                 engine.failed(self.config.eject_after_failures)
                 raise _BeforeFirstByte()
             raise UpstreamError(upstream.status_code, content)
+        engine.identify(upstream.headers.get(HEADER_SIM_ENGINE_ID))
         self.metrics.d_first_byte.observe(time.perf_counter() - t0)
         self.metrics.first_byte.labels(pre.receipt.decision).observe(time.perf_counter() - started)
         headers.update(sim_receipt(pre.sim_headers, upstream.headers))
@@ -587,6 +654,19 @@ class Router:
         )
         return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
 
+    def _first_byte_deadline(
+        self, req: ClientRequest, n: int, engine: Upstream, relay: bool
+    ) -> float:
+        """How long D may take to its first byte: a stream's first chunk, or a non-streamed
+        answer whole (vLLM sends its headers with the body)."""
+        cfg = self.config
+        if relay:
+            return cfg.decode_first_byte_timeout_s
+        most = req.body.get("max_completion_tokens") or req.body.get("max_tokens")
+        if not isinstance(most, int):
+            most = max(1, (engine.max_model_len or n + 32_768) - n)
+        return cfg.decode_first_byte_timeout_s + most * cfg.decode_token_timeout_s
+
     # -- 5. remember --------------------------------------------------------------------------
     async def _remember(
         self,
@@ -604,6 +684,7 @@ class Router:
             return
         if handle is None or parsed is None or not parsed.has_blocks:
             return
+        engine.identify(kvt.engine_id(handle))  # before it is stored: a new engine drops the old
         num = parsed.num_tokens
         bs = self.config.block_size
         hashes, tail = held_record(captured.output_ids, num, prompt)

@@ -34,6 +34,7 @@ from agentkv.router.store import (
     Taken,
     check_per_conversation,
     check_ttl,
+    issued_by,
 )
 
 if TYPE_CHECKING:
@@ -281,7 +282,7 @@ class RedisStore:
                 out.append(taken.handle)
         return out
 
-    async def drop_decode(self, decode_url: str) -> int:
+    async def drop_decode(self, decode_url: str, *, except_engine_id: str | None = None) -> int:
         dropped = 0
         async for keys in self._scan():
             values = await self._client.mget(keys)
@@ -291,7 +292,11 @@ class RedisStore:
                 if raw is None:
                     continue
                 unpacked = _unpack(raw)
-                if unpacked is not None and unpacked[1].decode_url == decode_url:
+                if (
+                    unpacked is not None
+                    and unpacked[1].decode_url == decode_url
+                    and not issued_by(unpacked[1], except_engine_id)
+                ):
                     doomed_keys.append(k)
                     doomed_values.append(_as_bytes(raw))
             if doomed_keys:

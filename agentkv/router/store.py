@@ -34,7 +34,7 @@ from typing import Any, Protocol, TypeGuard
 
 import orjson
 
-from agentkv.protocol.kv_transfer import handle_key
+from agentkv.protocol.kv_transfer import engine_id, handle_key
 
 __all__ = [
     "HandleStore",
@@ -42,6 +42,7 @@ __all__ = [
     "StoreKey",
     "StoredHandle",
     "Taken",
+    "issued_by",
     "make_store",
 ]
 
@@ -139,6 +140,11 @@ class StoredHandle:
         )
 
 
+def issued_by(handle: StoredHandle, engine: str | None) -> bool:
+    """Whether ``engine`` (an engine id; None: none) issued ``handle``."""
+    return engine is not None and engine_id(handle.params) == engine
+
+
 def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -179,8 +185,10 @@ class HandleStore(Protocol):
         """Remove and return the live handles under ``key``."""
         ...
 
-    async def drop_decode(self, decode_url: str) -> int:
-        """Drop every handle held by ``decode_url`` (a D that died); how many were dropped."""
+    async def drop_decode(self, decode_url: str, *, except_engine_id: str | None = None) -> int:
+        """Drop every handle held by ``decode_url`` (a D that died), or every one but those
+        the engine ``except_engine_id`` issued (a D restarted: a new engine behind the URL);
+        how many were dropped."""
         ...
 
     async def take_oldest(self, decode_url: str, fraction: float) -> list[StoredHandle]:
@@ -332,10 +340,14 @@ class MemoryStore:
                 out.append(entry.handle)
         return out
 
-    async def drop_decode(self, decode_url: str) -> int:
+    async def drop_decode(self, decode_url: str, *, except_engine_id: str | None = None) -> int:
         now = self._clock()
         dropped = 0
         for key, handle_id in list(self._by_decode.get(decode_url, ())):
+            conv = self._convs.get(key)
+            kept = conv.get(handle_id) if conv is not None else None
+            if kept is not None and issued_by(kept.handle, except_engine_id):
+                continue
             entry = self._remove(key, handle_id)
             if entry is not None and now < entry.expires_at:
                 dropped += 1

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from agentkv.protocol import HEADER_SIM_ENGINE_ID
 from agentkv.router.config import Backend, RouterConfig
 from agentkv.router.http import AiohttpClient, EngineClient, HttpxClient, Pool, TransportError
 from agentkv.router.tasks import cancel_and_wait
@@ -43,10 +44,38 @@ class Upstream:
     outstanding_tokens: int = 0
     outstanding_requests: int = 0
     on_eject: list[Callable[[Upstream], None]] = field(default_factory=list)
+    identity: str | None = None
+    """The engine id of the instance behind :attr:`url`, while confirmed: from D's handles and
+    from the simulator's ``X-AgentKV-Sim-Engine-Id`` on every answer and health check. None at
+    start and from a failed health check or connection on (the instance may be restarting),
+    until the engine is identified again. Handles are only read from an identified D whose id
+    is theirs."""
+    last_identity: str | None = None
+    """The last engine id seen behind :attr:`url` (kept while :attr:`identity` is None)."""
+    on_new_identity: list[Callable[[Upstream, str], None]] = field(default_factory=list)
+    """Called when the engine id behind the URL changes: a new engine (restarted)."""
+    max_model_len: int | None = None
+    """The context length the engine serves (its ``/v1/models``), once read."""
 
     @property
     def url(self) -> str:
         return self.backend.url
+
+    def identify(self, engine_id: str | None) -> None:
+        """The engine answered as ``engine_id`` (None: it did not say)."""
+        if not engine_id:
+            return
+        previous = self.last_identity
+        self.identity = self.last_identity = engine_id
+        if previous is not None and previous != engine_id:
+            log.warning("engine restarted role=%s url=%s: new engine id", self.role, self.url)
+            self.max_model_len = None  # the new instance may serve another context length
+            for hook in self.on_new_identity:
+                hook(self, engine_id)
+
+    def suspect(self) -> None:
+        """The engine did not answer: until it is identified again it may be a new instance."""
+        self.identity = None
 
     def ok(self) -> None:
         self.failures = 0
@@ -135,18 +164,35 @@ class EnginePool:
         return [*self.prefill, *self.decode]
 
     async def check(self, engine: Upstream) -> bool:
+        timeout = min(5.0, self.config.health_interval_s * 2)
         try:
-            r = await engine.health.get(
-                "/health", timeout=min(5.0, self.config.health_interval_s * 2)
-            )
+            r = await engine.health.get("/health", timeout=timeout)
             good = r.status_code == 200
         except TransportError:
             good = False
         if good:
+            engine.identify(r.headers.get(HEADER_SIM_ENGINE_ID))
             engine.ok()
+            if engine.max_model_len is None:
+                engine.max_model_len = await self._max_model_len(engine, timeout)
         else:
+            engine.suspect()
             engine.failed(1 if not engine.healthy else self.config.eject_after_failures)
         return good
+
+    async def _max_model_len(self, engine: Upstream, timeout: float) -> int | None:
+        """The smallest ``max_model_len`` of the engine's ``/v1/models`` cards (None: unknown)."""
+        try:
+            r = await engine.health.get("/v1/models", timeout=timeout)
+            cards = r.json().get("data") if r.status_code == 200 else None
+        except (TransportError, ValueError, AttributeError):
+            return None
+        lengths = [
+            c["max_model_len"]
+            for c in cards or []
+            if isinstance(c, dict) and isinstance(c.get("max_model_len"), int)
+        ]
+        return min(lengths) if lengths else None
 
     async def _watch(self, engine: Upstream) -> None:
         while True:

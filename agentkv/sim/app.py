@@ -29,6 +29,7 @@ from agentkv.chat.template import ChatTemplate, load_template
 from agentkv.chat.tokenizer import ChatTokenizer, load_tokenizer
 from agentkv.protocol import (
     HEADER_REQUEST_ID,
+    HEADER_SIM_ENGINE_ID,
     HEADER_SIM_MODEL_TTFT_MS,
     HEADER_SIM_WRONG_KV_TOKENS,
 )
@@ -209,6 +210,7 @@ def _generate(state: SimState, *, chat: bool) -> Handler:
         headers = {
             HEADER_SIM_WRONG_KV_TOKENS: str(first.wrong_kv_tokens),
             HEADER_SIM_MODEL_TTFT_MS: f"{first.model_ttft_s * 1000:.3f}",
+            HEADER_SIM_ENGINE_ID: state.config.engine_id,
         }
         if plan.stream:
             with_handle = state.config.compat != "0.32"  # 0.32 puts no handle on streams
@@ -355,7 +357,10 @@ def _models(state: SimState) -> Handler:
 
 def _health(state: SimState) -> Handler:
     async def handler(request: Request) -> Response:
-        return Response(status_code=state.faults.health_status)
+        return Response(
+            status_code=state.faults.health_status,
+            headers={HEADER_SIM_ENGINE_ID: state.config.engine_id},
+        )
 
     return handler
 
