@@ -1,0 +1,113 @@
+"""The router's edge for APIs other than Chat Completions: one turn core, codecs around it.
+
+A codec turns its API's request into one Chat Completions body (what the engines run: vLLM 0.33
+maps ``/v1/messages`` and ``/v1/responses`` onto its chat path the same way), and the turn's
+answer back into its API: a JSON body, an SSE stream of its own events, or an error in its own
+shape. :func:`adapt` applies a codec's :class:`Encoder` to the Response the turn core returned;
+the receipt headers pass unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable
+from typing import Any, Protocol
+
+import orjson
+from starlette.responses import Response, StreamingResponse
+
+from agentkv.protocol.http import ORJSONResponse
+
+__all__ = ["Encoder", "adapt", "sse_events"]
+
+_HOP = ("content-length", "content-type", "transfer-encoding", "connection")
+
+
+class Encoder(Protocol):
+    """One turn's answer in an API's own format (a fresh encoder per turn: streams keep
+    state, such as which content blocks are open)."""
+
+    def response(self, chat: dict[str, Any]) -> dict[str, Any]:
+        """A non-streamed Chat Completions answer as the API's response body."""
+        ...
+
+    def chunk(self, chat: dict[str, Any]) -> Iterable[bytes]:
+        """The API's SSE events (framed bytes) for one streamed Chat Completions chunk."""
+        ...
+
+    def done(self) -> Iterable[bytes]:
+        """The API's closing events, after the chat stream's ``[DONE]``."""
+        ...
+
+    def error(self, status: int, error: dict[str, Any]) -> dict[str, Any]:
+        """An OpenAI-shaped ``error`` object as the API's error body."""
+        ...
+
+    def stream_error(self, error: dict[str, Any]) -> Iterable[bytes]:
+        """An error event in the middle of a stream (the chat stream's ``{"error": …}``)."""
+        ...
+
+
+def _headers(response: Response) -> dict[str, str]:
+    return {k: v for k, v in response.headers.items() if k.lower() not in _HOP}
+
+
+async def _body(response: Response) -> bytes:
+    if isinstance(response, StreamingResponse):
+        parts = [
+            part if isinstance(part, bytes) else str(part).encode()
+            async for part in response.body_iterator
+        ]
+        return b"".join(parts)
+    return bytes(response.body)
+
+
+async def adapt(response: Response, encoder: Encoder) -> Response:
+    """The turn core's Chat Completions answer (or OpenAI-shaped error), in the encoder's API."""
+    headers = _headers(response)
+    if response.status_code != 200:
+        try:
+            error = orjson.loads(await _body(response)).get("error") or {}
+        except (orjson.JSONDecodeError, AttributeError):
+            error = {"message": "Upstream error.", "type": "api_error"}
+        body = encoder.error(response.status_code, error)
+        return ORJSONResponse(body, status_code=response.status_code, headers=headers)
+    if not (response.media_type or "").startswith("text/event-stream"):
+        chat = orjson.loads(await _body(response))
+        return ORJSONResponse(encoder.response(chat), headers=headers)
+    assert isinstance(response, StreamingResponse)
+    return StreamingResponse(
+        _reencode(response.body_iterator, encoder),
+        media_type="text/event-stream",
+        headers=headers,
+    )
+
+
+async def _reencode(source: AsyncIterator[Any], encoder: Encoder) -> AsyncIterator[bytes]:
+    async for data in sse_events(source):
+        if data == b"[DONE]":
+            for event in encoder.done():
+                yield event
+            return
+        chunk = orjson.loads(data)
+        if "error" in chunk:
+            for event in encoder.stream_error(chunk["error"]):
+                yield event
+            continue
+        out = b"".join(encoder.chunk(chunk))
+        if out:
+            yield out
+
+
+async def sse_events(source: AsyncIterator[Any]) -> AsyncIterator[bytes]:
+    """The ``data:`` payloads of an SSE byte stream, whatever its writes' boundaries."""
+    buffer = b""
+    async for part in source:
+        buffer += part if isinstance(part, bytes) else str(part).encode()
+        while b"\n\n" in buffer:
+            event, buffer = buffer.split(b"\n\n", 1)
+            for line in event.split(b"\n"):
+                if line.startswith(b"data:"):
+                    yield line[5:].strip()
+    for line in buffer.split(b"\n"):
+        if line.startswith(b"data:"):
+            yield line[5:].strip()
