@@ -9,7 +9,7 @@ the receipt headers pass unchanged.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from typing import Any, Protocol
 
 import orjson
@@ -82,7 +82,7 @@ async def adapt(response: Response, encoder: Encoder) -> Response:
     )
 
 
-async def _reencode(source: AsyncIterator[Any], encoder: Encoder) -> AsyncIterator[bytes]:
+async def _reencode(source: AsyncIterable[Any], encoder: Encoder) -> AsyncIterator[bytes]:
     async for data in sse_events(source):
         if data == b"[DONE]":
             for event in encoder.done():
@@ -98,7 +98,7 @@ async def _reencode(source: AsyncIterator[Any], encoder: Encoder) -> AsyncIterat
             yield out
 
 
-async def sse_events(source: AsyncIterator[Any]) -> AsyncIterator[bytes]:
+async def sse_events(source: AsyncIterable[Any]) -> AsyncIterator[bytes]:
     """The ``data:`` payloads of an SSE byte stream, whatever its writes' boundaries."""
     buffer = b""
     async for part in source:
