@@ -19,13 +19,18 @@ __all__ = [
     "BODY_SIM_SCRIPT",
     "BODY_TOKEN_IDS",
     "DECISIONS",
+    "HEADER_CLAUDE_CODE_AGENT_ID",
+    "HEADER_CLAUDE_CODE_SESSION_ID",
+    "HEADER_CODEX_SESSION_IDS",
     "HEADER_CONVERSATION_ID",
     "HEADER_DECISION",
+    "HEADER_DYNAMO_SESSION_ID",
     "HEADER_ECHO_PROMPT_TOKEN_IDS",
     "HEADER_EPOCH",
     "HEADER_ESTIMATED",
     "HEADER_LEASE",
     "HEADER_LOCAL_PREFIX_TOKENS",
+    "HEADER_OPENCODE_SESSION_IDS",
     "HEADER_REQUEST_ID",
     "HEADER_REUSED_TOKENS",
     "HEADER_SESSION_ID",
@@ -43,6 +48,16 @@ HEADER_CONVERSATION_ID: Final = "X-Conversation-Id"
 """Canonical conversation id header (the SDK always sends it)."""
 HEADER_SESSION_ID: Final = "X-Session-ID"
 """Sent by vLLM's multi-turn benchmark with ``--send-conversation-id``."""
+HEADER_CLAUDE_CODE_SESSION_ID: Final = "X-Claude-Code-Session-Id"
+"""Claude Code's session (its body's ``metadata.user_id`` holds the same ``session_id``)."""
+HEADER_CLAUDE_CODE_AGENT_ID: Final = "X-Claude-Code-Agent-Id"
+"""Claude Code's sub-agent: a history of its own within the session."""
+HEADER_CODEX_SESSION_IDS: Final = ("session-id", "session_id", "thread-id")
+"""Codex CLI's session headers (``session_id`` in older builds; ``thread-id`` is the same uuid)."""
+HEADER_OPENCODE_SESSION_IDS: Final = ("x-session-affinity", "x-opencode-session")
+"""opencode's session headers (it also sends ``X-Session-Id``)."""
+HEADER_DYNAMO_SESSION_ID: Final = "X-Dynamo-Session-ID"
+"""NVIDIA Dynamo's session header."""
 HEADER_EPOCH: Final = "X-AgentKV-Epoch"
 """Integer history epoch; the client bumps it when it rewrites history."""
 HEADER_REQUEST_ID: Final = "X-Request-Id"
@@ -165,3 +180,4 @@ class RouterMetric:
     ENGINE_HEALTHY: Final = "agentkv_router_engine_healthy"
     ENGINE_RESTARTS: Final = "agentkv_router_engine_restarts"
     HANDLES_DROPPED: Final = "agentkv_router_handles_dropped"
+    CONVERSATION_SOURCES: Final = "agentkv_router_conversation_sources"

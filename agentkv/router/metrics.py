@@ -104,6 +104,13 @@ class RouterMetrics:
         "Engines seen with a new engine id behind the same URL (restarted), by role.",
         ("role",),
     )
+    conversation_sources = Family(
+        Counter,
+        R.CONVERSATION_SOURCES,
+        "Answered turns by the signal that named their conversation (agentkv, session, "
+        "claude-code, codex, prompt-cache-key, opencode, dynamo; none: anonymous).",
+        ("source",),
+    )
     dropped = Family(
         Counter,
         R.HANDLES_DROPPED,

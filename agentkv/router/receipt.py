@@ -100,9 +100,11 @@ def account(
         metrics.local_prefix_tokens.inc(r.local)
     if r.cause:
         metrics.trimmed.labels(r.cause).inc()
+    metrics.conversation_sources.labels(req.conversation_source).inc()
     span.set_attributes(
         {
             "agentkv.decision": r.decision,
+            "agentkv.conversation.source": req.conversation_source,
             "agentkv.reused_tokens": r.reused,
             "agentkv.verified_prefix_tokens": r.verified,
             "agentkv.local_prefix_tokens": -1 if r.local is None else r.local,
@@ -112,9 +114,10 @@ def account(
         }
     )
     log.info(
-        "turn conversation=%s tenant=%s epoch=%d decision=%s reused=%d verified=%d local=%s "
-        "prompt_tokens=%d prefill=%s decode=%s ms=%.1f",
+        "turn conversation=%s source=%s tenant=%s epoch=%d decision=%s reused=%d verified=%d "
+        "local=%s prompt_tokens=%d prefill=%s decode=%s ms=%.1f",
         safe(req.conversation_id),
+        req.conversation_source,
         safe(req.tenant),
         req.epoch,
         r.decision,
@@ -127,6 +130,7 @@ def account(
         (time.perf_counter() - started) * 1000,
         extra={
             "conversation_id": safe(req.conversation_id or ""),
+            "conversation_source": req.conversation_source,
             "tenant": safe(req.tenant),
             "epoch": req.epoch,
             "decision": r.decision,

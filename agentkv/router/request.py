@@ -20,17 +20,14 @@ from starlette.requests import Request
 from agentkv.protocol import (
     BODY_CONVERSATION_ID,
     BODY_KV_TRANSFER_PARAMS,
-    BODY_PROMPT_CACHE_KEY,
     BODY_PROMPT_TOKEN_IDS,
-    BODY_SESSION_ID,
-    HEADER_CONVERSATION_ID,
     HEADER_ECHO_PROMPT_TOKEN_IDS,
     HEADER_EPOCH,
     HEADER_LEASE,
-    HEADER_SESSION_ID,
 )
 from agentkv.protocol.http import json_object
 from agentkv.router.config import RouterConfig
+from agentkv.router.session import conversation_of
 
 __all__ = [
     "MAX_TOKEN_ID",
@@ -159,6 +156,8 @@ class ClientRequest:
     epoch: int
     prompt_ids: list[int] | None
     """Exact prompt ids when the client sent them."""
+    conversation_source: str = "none"
+    """Which signal named the conversation (:data:`agentkv.router.session.SOURCES`)."""
     lease_s: float | None = None
     """``X-AgentKV-Lease``: keep the conversation's handles while the agent lives."""
     echo_prompt_ids: bool = False
@@ -291,9 +290,18 @@ def _epoch(raw: str) -> int:
 
 
 def parse_request(
-    raw: bytes, headers: dict[str, str], *, chat: bool, config: RouterConfig
+    raw: bytes,
+    headers: dict[str, str],
+    *,
+    chat: bool,
+    config: RouterConfig,
+    session_body: dict[str, Any] | None = None,
 ) -> ClientRequest:
-    """Parse and check a request body and its headers (raises :class:`RouterError`)."""
+    """Parse and check a request body and its headers (raises :class:`RouterError`).
+
+    ``session_body``: the body as the client sent it, when ``raw`` is another API's request
+    converted to Chat Completions (its session signals, such as Claude Code's
+    ``metadata.user_id``, are read there)."""
     if len(raw) > config.max_body_bytes:
         raise RouterError(413, f"Request body larger than {config.max_body_bytes} bytes.")
     tenant, salt = tenant_for(config, headers.get("authorization"))
@@ -315,13 +323,7 @@ def parse_request(
             )
     client_salt = _check_salt(body.get("cache_salt"))
     epoch = _epoch(headers.get(HEADER_EPOCH.lower(), "0"))
-    conversation = (
-        headers.get(HEADER_CONVERSATION_ID.lower())
-        or _str(body.get(BODY_CONVERSATION_ID))
-        or headers.get(HEADER_SESSION_ID.lower())
-        or _str(body.get(BODY_SESSION_ID))
-        or _str(body.get(BODY_PROMPT_CACHE_KEY))
-    )
+    conversation, source = conversation_of(headers, session_body or body)
     if conversation is not None and len(conversation) > 512:
         raise RouterError(400, "The conversation id is longer than 512 characters.")
     body.pop(BODY_CONVERSATION_ID, None)
@@ -351,6 +353,7 @@ def parse_request(
         tenant=tenant,
         cache_salt=body.get("cache_salt"),
         conversation_id=conversation,
+        conversation_source=source,
         epoch=epoch,
         prompt_ids=prompt_ids,
         lease_s=lease_seconds(headers.get(HEADER_LEASE.lower())),
