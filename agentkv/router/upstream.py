@@ -39,6 +39,11 @@ class Upstream:
     health: EngineClient
     """Health checks, on their own connection, so they never queue behind requests."""
     healthy: bool = True
+    """In rotation: True from the start, so turns that arrive before the first health check are
+    placed as usual (an instance that cannot answer fails them over like any failure)."""
+    answered: bool = False
+    """A health check or a request has succeeded since the router started: ``/health`` says
+    200 only when every role has an instance that is healthy and has answered."""
     failures: int = 0
     outstanding_tokens: int = 0
     outstanding_requests: int = 0
@@ -48,8 +53,14 @@ class Upstream:
     def url(self) -> str:
         return self.backend.url
 
+    @property
+    def ready(self) -> bool:
+        """Healthy and known to answer."""
+        return self.healthy and self.answered
+
     def ok(self) -> None:
         self.failures = 0
+        self.answered = True
         if not self.healthy:
             log.info("engine back in rotation role=%s url=%s", self.role, self.url)
         self.healthy = True
@@ -129,6 +140,9 @@ class EnginePool:
             Upstream("decode", b, client(b), client(b, health=True)) for b in config.decode
         ]
         self._tasks: list[asyncio.Task[None]] = []
+        self.served_model: str | None = None
+        """The model D serves by default (the first of its ``/v1/models``): a request without
+        ``model`` is for this one, as vLLM reads it."""
 
     @property
     def all(self) -> list[Upstream]:
@@ -143,10 +157,22 @@ class EnginePool:
         except TransportError:
             good = False
         if good:
+            if self.served_model is None and engine.role == "decode":
+                await self._learn_model(engine)
             engine.ok()
         else:
             engine.failed(1 if not engine.healthy else self.config.eject_after_failures)
         return good
+
+    async def _learn_model(self, engine: Upstream) -> None:
+        try:
+            r = await engine.health.get("/v1/models", timeout=5.0)
+            data = r.json()["data"] if r.status_code == 200 else []
+            name = data[0]["id"] if data else None
+        except (TransportError, ValueError, LookupError, TypeError):
+            return  # the next health check asks again
+        if isinstance(name, str):
+            self.served_model = name
 
     async def _watch(self, engine: Upstream) -> None:
         while True:
