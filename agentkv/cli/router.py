@@ -52,6 +52,7 @@ def router(
 
     from agentkv.router import RouterConfig, create_app
     from agentkv.router.logs import configure_logging
+    from agentkv.router.server import HeadLimits, bounded_protocol
     from agentkv.router.tracing import configure_opentelemetry
 
     overrides = {
@@ -92,6 +93,7 @@ def router(
         create_app(cfg),
         host=cfg.host,
         port=cfg.port,
+        http=bounded_protocol(HeadLimits(cfg.max_header_bytes, cfg.max_headers), cfg.http_parser),
         log_level="warning",
         log_config=None,  # uvicorn's records go through configure_logging's handler
         access_log=False,

@@ -2,7 +2,9 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /tokenize``,
 ``POST /detokenize``, ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (on
-``metrics_port`` instead when one is configured), ``DELETE /v1/conversations/{id}``.
+``metrics_port`` instead when one is configured), ``DELETE /v1/conversations/{id}``,
+``POST /v1/conversations/{id}/lease``, ``POST /v1/conversations/leases`` (a conversation id may
+contain ``/``). Unknown paths and methods are answered in OpenAI's error shape (404, 405).
 
 With tenants configured every route but ``/health`` needs a tenant's key, ``/metrics`` an admin
 key (``admin_api_keys``); ``/health`` shows engine addresses only to an admin key (or when
@@ -16,11 +18,12 @@ import contextlib
 import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 from prometheus_client import Counter
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -44,6 +47,7 @@ from agentkv.router.request import (
     read_body,
     tenant_for,
 )
+from agentkv.router.server import HeadLimits, bounded_protocol
 from agentkv.router.store import HandleStore, make_store
 from agentkv.router.tracing import extracted
 from agentkv.router.upstream import EnginePool
@@ -101,6 +105,7 @@ def create_app(
     )
     open_admin = not config.tenants and not config.admin_api_keys
     """No tenants, no admin keys: everything is open, as before tenancy."""
+    head_limits = HeadLimits(config.max_header_bytes, config.max_headers)
     the_store = GuardedStore(
         store
         or make_store(
@@ -132,7 +137,9 @@ def create_app(
             except Exception as exc:  # events are an accelerator: run without L
                 log.warning("KV events of %s unavailable: %s", subscriber.endpoint, exc)
         metrics_server = (
-            await _serve_metrics(metrics_app, config.host, config.metrics_port)
+            await _serve_metrics(
+                metrics_app, config.host, config.metrics_port, head_limits, config.http_parser
+            )
             if config.metrics_port is not None
             else None
         )
@@ -188,16 +195,20 @@ def create_app(
         raise RouterError(503, "No decode instance answered /v1/models.")
 
     async def health(request: Request) -> Response:
-        p = sum(e.healthy for e in pool.prefill)
-        d = sum(e.healthy for e in pool.decode)
+        # ok once every role has an instance that answered since start and is in rotation;
+        # "starting" until each role has had one answer (an orchestrator's readiness probe and
+        # `agentkv serve` wait for 200, so no client is sent here before the engines answer)
+        p = sum(e.ready for e in pool.prefill)
+        d = sum(e.ready for e in pool.decode)
+        started = any(e.answered for e in pool.prefill) and any(e.answered for e in pool.decode)
         body: dict[str, Any] = {
-            "status": "ok" if p and d else "unavailable",
+            "status": "ok" if p and d else "unavailable" if started else "starting",
             # a failing store costs reuse, never answers: degraded, still 200
             "store": "ok" if the_store.healthy else "degraded",
         }
         if open_admin or is_admin(config, request.headers.get("authorization")):
-            body["prefill"] = {e.url: e.healthy for e in pool.prefill}
-            body["decode"] = {e.url: e.healthy for e in pool.decode}
+            body["prefill"] = {e.url: e.ready for e in pool.prefill}
+            body["decode"] = {e.url: e.ready for e in pool.decode}
             body["handles"] = await the_store.size()
         return JSONResponse(body, status_code=200 if p and d else 503)
 
@@ -206,7 +217,7 @@ def create_app(
         if size is not None:
             metrics.store_size.set(size)
         for e in pool.all:
-            metrics.healthy.labels(e.role, e.url).set(1 if e.healthy else 0)
+            metrics.healthy.labels(e.role, e.url).set(1 if e.ready else 0)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def metrics_route(request: Request) -> Response:
@@ -259,7 +270,7 @@ def create_app(
         Route("/v1/chat/completions", generate(True), methods=["POST"]),
         Route("/v1/conversations/leases", _guard(metrics, aborts, leases_batch), methods=["POST"]),
         Route(
-            "/v1/conversations/{conversation_id}/lease",
+            "/v1/conversations/{conversation_id:path}/lease",
             _guard(metrics, aborts, lease),
             methods=["POST"],
         ),
@@ -269,16 +280,34 @@ def create_app(
         Route("/v1/models", _guard(metrics, aborts, models), methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route(
-            "/v1/conversations/{conversation_id}",
+            "/v1/conversations/{conversation_id:path}",
             _guard(metrics, aborts, close),
             methods=["DELETE"],
         ),
     ]
     if config.metrics_port is None:
         routes.append(Route("/metrics", _guard(metrics, aborts, metrics_route), methods=["GET"]))
-    app = Starlette(routes=routes, lifespan=lifespan)
+    app = Starlette(
+        routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error}
+    )
     app.state.router = router
     return app
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own answers (an unknown path: 404, a method a path does not take: 405 with
+    ``Allow``) in OpenAI's error shape, as OpenAI words them."""
+    assert isinstance(exc, HTTPException)
+    path = request.url.path if len(request.url.path) <= 200 else request.url.path[:200] + "..."
+    if exc.status_code == 404:
+        message = f"Invalid URL ({request.method} {path})"
+    elif exc.status_code == 405:
+        message = f"Method {request.method} not allowed for {path}."
+    else:
+        message = exc.detail
+    response = error_response(exc.status_code, message)
+    response.headers.update(exc.headers or {})
+    return response
 
 
 async def _json_object(request: Request) -> dict[str, Any]:
@@ -318,7 +347,13 @@ class _MetricsServer:
             await self.task
 
 
-async def _serve_metrics(app: Starlette, host: str, port: int) -> _MetricsServer:
+async def _serve_metrics(
+    app: Starlette,
+    host: str,
+    port: int,
+    limits: HeadLimits,
+    parser: Literal["auto", "httptools", "h11"],
+) -> _MetricsServer:
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -334,7 +369,14 @@ async def _serve_metrics(app: Starlette, host: str, port: int) -> _MetricsServer
     except OSError:
         sock.close()
         raise
-    config = uvicorn.Config(app, lifespan="off", access_log=False, log_config=None, log_level=None)
+    config = uvicorn.Config(
+        app,
+        http=bounded_protocol(limits, parser),
+        lifespan="off",
+        access_log=False,
+        log_config=None,
+        log_level=None,
+    )
     server = Server(config)
     # the socket is bound already: serving it cannot fail to start
     task = asyncio.ensure_future(server.serve(sockets=[sock]))

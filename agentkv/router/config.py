@@ -170,6 +170,15 @@ class RouterConfig(BaseModel):
     that D's oldest stored handles, a tenth per health interval, so retained blocks never starve
     running requests; None turns it off."""
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+    max_header_bytes: int = Field(64 * 1024, ge=4096)
+    """A request's line and header fields together, at most; over it (or over ``max_headers``
+    fields) the router answers 431 and closes the connection before reading the rest or
+    checking the key."""
+    max_headers: int = Field(100, ge=16)
+    """Header fields in one request, at most."""
+    http_parser: Literal["auto", "httptools", "h11"] = "auto"
+    """uvicorn's HTTP/1.1 implementation (``auto``: httptools when installed, as uvicorn picks);
+    both enforce ``max_header_bytes`` and ``max_headers``."""
     tenants: list[Tenant] = Field(default_factory=list)
     """Empty: no authentication, one anonymous tenant."""
     reuse_policy: Literal["verified", "unverified"] = "verified"

@@ -516,7 +516,7 @@ class Router:
         if key is not None and req.lease_s is not None:
             await self.retention.renew(key, req.lease_s)
         # the prompt is hashed once a turn: for verification, and again for what D will hold
-        root = hash_root(req.body.get("model"), req.cache_salt)
+        root = hash_root(req.body.get("model") or self.pool.served_model, req.cache_salt)
         hashes = PromptHashes(ids, self.config.block_size, root)
         plan = await self._plan(req, key, hashes)
         if plan.release and plan.taken is not None:

@@ -40,6 +40,11 @@ class Upstream:
     health: EngineClient
     """Health checks, on their own connection, so they never queue behind requests."""
     healthy: bool = True
+    """In rotation: True from the start, so turns that arrive before the first health check are
+    placed as usual (an instance that cannot answer fails them over like any failure)."""
+    answered: bool = False
+    """A health check or a request has succeeded since the router started: ``/health`` says
+    200 only when every role has an instance that is healthy and has answered."""
     failures: int = 0
     outstanding_tokens: int = 0
     outstanding_requests: int = 0
@@ -77,8 +82,14 @@ class Upstream:
         """The engine did not answer: until it is identified again it may be a new instance."""
         self.identity = None
 
+    @property
+    def ready(self) -> bool:
+        """Healthy and known to answer."""
+        return self.healthy and self.answered
+
     def ok(self) -> None:
         self.failures = 0
+        self.answered = True
         if not self.healthy:
             log.info("engine back in rotation role=%s url=%s", self.role, self.url)
         self.healthy = True
@@ -158,6 +169,9 @@ class EnginePool:
             Upstream("decode", b, client(b), client(b, health=True)) for b in config.decode
         ]
         self._tasks: list[asyncio.Task[None]] = []
+        self.served_model: str | None = None
+        """The model D serves by default (the first of its ``/v1/models``): a request without
+        ``model`` is for this one, as vLLM reads it."""
 
     @property
     def all(self) -> list[Upstream]:
@@ -173,26 +187,31 @@ class EnginePool:
         if good:
             engine.identify(r.headers.get(HEADER_SIM_ENGINE_ID))
             engine.ok()
-            if engine.max_model_len is None:
-                engine.max_model_len = await self._max_model_len(engine, timeout)
+            if engine.max_model_len is None or (
+                self.served_model is None and engine.role == "decode"
+            ):
+                await self._read_models(engine, timeout)
         else:
             engine.suspect()
             engine.failed(1 if not engine.healthy else self.config.eject_after_failures)
         return good
 
-    async def _max_model_len(self, engine: Upstream, timeout: float) -> int | None:
-        """The smallest ``max_model_len`` of the engine's ``/v1/models`` cards (None: unknown)."""
+    async def _read_models(self, engine: Upstream, timeout: float) -> None:
+        """From the engine's ``/v1/models``: the model it serves when a request names none
+        (the first card; read from a D) and the smallest ``max_model_len``. What cannot be read
+        is asked again at the next health check."""
         try:
             r = await engine.health.get("/v1/models", timeout=timeout)
             cards = r.json().get("data") if r.status_code == 200 else None
         except (TransportError, ValueError, AttributeError):
-            return None
-        lengths = [
-            c["max_model_len"]
-            for c in cards or []
-            if isinstance(c, dict) and isinstance(c.get("max_model_len"), int)
-        ]
-        return min(lengths) if lengths else None
+            return
+        cards = [c for c in cards or [] if isinstance(c, dict)]
+        lengths = [c["max_model_len"] for c in cards if isinstance(c.get("max_model_len"), int)]
+        if lengths:
+            engine.max_model_len = min(lengths)
+        name = cards[0].get("id") if cards else None
+        if engine.role == "decode" and self.served_model is None and isinstance(name, str):
+            self.served_model = name
 
     async def _watch(self, engine: Upstream) -> None:
         while True:

@@ -21,6 +21,7 @@ from typing import Any
 
 from pydantic import ValidationError
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -149,9 +150,19 @@ def create_app(
         Route("/_sim/faults", _faults(state), methods=["GET", "POST"]),
         Route("/_sim/state", _state(state), methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    app = Starlette(
+        routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error}
+    )
     app.state.sim = state
     return app
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """An unknown path (404) or method (405, with ``Allow``) as vLLM answers it: FastAPI's
+    default, ``{"detail": "Not Found"}`` (vLLM's error-shape handler is registered for FastAPI's
+    ``HTTPException``, a subclass of the Starlette one that routing raises)."""
+    assert isinstance(exc, HTTPException)
+    return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
 
 
 Handler = Any
