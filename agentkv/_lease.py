@@ -236,10 +236,12 @@ class LeaseCore:
             return
         data = body.get("data") if isinstance(body, dict) else None
         items = [d for d in data if isinstance(d, dict)] if isinstance(data, list) else []
-        granted = [d["lease_s"] for d in items if isinstance(d.get("lease_s"), int | float)]
+        # an item with an ``error`` was not renewed: no stored KV (404) or the tenant's bound (429)
+        renewed = [d for d in items if "error" not in d]
+        granted = [d["lease_s"] for d in renewed if isinstance(d.get("lease_s"), int | float)]
         if self.schedule is not None:
             self.schedule.grant(float(min(granted)) if granted else None)
-        self._update(requests=1, renewed=len(items) or len(request.ids))
+        self._update(requests=1, renewed=len(renewed) if items else len(request.ids))
 
     def failed(self, request: RenewalRequest, error: BaseException) -> None:
         """``request`` got no answer (connection error, timeout, ...)."""

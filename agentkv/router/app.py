@@ -28,6 +28,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from agentkv.protocol.errors import error_body
 from agentkv.protocol.http import error_response, json_object
 from agentkv.protocol.names import RouterMetric
 from agentkv.router.config import RouterConfig
@@ -47,6 +48,7 @@ from agentkv.router.request import (
     read_body,
     tenant_for,
 )
+from agentkv.router.retention import LeasesUnavailable
 from agentkv.router.server import HeadLimits, bounded_protocol
 from agentkv.router.store import HandleStore, make_store
 from agentkv.router.tracing import extracted
@@ -244,13 +246,26 @@ def create_app(
             raise RouterError(400, "`lease_s` is required.", param="lease_s")
         return tenant, body, seconds
 
-    async def renew(tenant: str, conversation: str, seconds: float) -> dict[str, Any]:
-        granted = await router.retention.renew((tenant, conversation), seconds)
-        return {"id": conversation, "object": "conversation.lease", "lease_s": granted}
+    async def renew(tenant: str, conversations: list[str], seconds: float) -> list[dict[str, Any]]:
+        """Lease items: ``lease_s`` granted, or an ``error`` (404: no stored KV; 429: the
+        tenant's ``max_leases_per_tenant``) for a conversation whose lease was not renewed."""
+        try:
+            granted, refusals = await router.retention.renew_held(tenant, conversations, seconds)
+        except LeasesUnavailable as exc:
+            raise RouterError(503, str(exc)) from exc
+        return [
+            {"id": c, "object": "conversation.lease", "lease_s": granted}
+            if r is None
+            else {"id": c, "object": "conversation.lease", **error_body(r.status, r.message)}
+            for c, r in zip(conversations, refusals, strict=True)
+        ]
 
     async def lease(request: Request) -> Response:
         tenant, _, seconds = await lease_call(request)
-        return JSONResponse(await renew(tenant, request.path_params["conversation_id"], seconds))
+        [item] = await renew(tenant, [request.path_params["conversation_id"]], seconds)
+        if "error" in item:
+            raise RouterError(item["error"]["code"], item["error"]["message"])
+        return JSONResponse(item)
 
     async def leases_batch(request: Request) -> Response:
         tenant, body, seconds = await lease_call(request)
@@ -263,8 +278,7 @@ def create_app(
             raise RouterError(
                 400, "`ids` must be a list of at most 10000 conversation ids.", param="ids"
             )
-        data = [await renew(tenant, conversation, seconds) for conversation in ids]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": await renew(tenant, ids, seconds)})
 
     routes = [
         Route("/v1/chat/completions", generate(True), methods=["POST"]),

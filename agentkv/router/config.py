@@ -165,6 +165,10 @@ class RouterConfig(BaseModel):
     """At most this many abandoned streams are read on at once (beyond: D aborts)."""
     lease_check_interval_s: float = Field(0.5, gt=0)
     """How often lapsed leases (``X-AgentKV-Lease``) are looked for and their handles released."""
+    max_leases_per_tenant: int = Field(10_000, ge=1)
+    """At most this many leases per tenant (lapsed ones not yet released count): past it a lease
+    call for a new conversation is 429 and a turn's ``X-AgentKV-Lease`` starts none (the turn
+    is served, its KV keeps D's TTL). Renewals of held leases always succeed."""
     kv_pressure_watermark: float | None = Field(0.9, gt=0, le=1)
     """Above this KV-cache usage on a D (its ``vllm:kv_cache_usage_perc``), the router releases
     that D's oldest stored handles, a tenth per health interval, so retained blocks never starve

@@ -97,6 +97,9 @@ class RouterMetrics:
         buckets=_LATENCY,
     )
     store_size = Family(Gauge, R.STORE_HANDLES, "Handles held in the store.")
+    leases = Family(
+        Gauge, R.LEASES, "Leases held (lapsed ones not yet released included), every lease check."
+    )
     healthy = Family(Gauge, R.ENGINE_HEALTHY, "1 when the engine is in rotation.", ("role", "url"))
     restarts = Family(
         Counter,

@@ -4,7 +4,8 @@ With leases, D can run with a long ``decoder_kv_blocks_ttl`` (1800–3600 s): th
 timer, decides when retained blocks go. Two background loops:
 
 - **Leases**: every ``lease_check_interval_s`` the conversations whose lease lapsed lose their
-  handles, released at once (notify-only).
+  handles, released at once (notify-only): batch after batch, round-robin across tenants, until
+  none is left or the check has run for ``lease_check_interval_s`` (the next check goes on).
 - **Pressure**: every ``health_interval_s`` the router reads each D's KV-cache usage
   (``vllm:kv_cache_usage_perc`` on its ``/metrics``); above ``kv_pressure_watermark`` it releases
   that D's oldest stored handles, a tenth of them per check (at least one), so retention never
@@ -16,7 +17,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 
 from agentkv.protocol import Metric
 from agentkv.router.config import RouterConfig
@@ -28,11 +31,28 @@ from agentkv.router.store import StoredHandle, StoreKey
 from agentkv.router.tasks import cancel_and_wait
 from agentkv.router.upstream import Upstream
 
-__all__ = ["Retention", "kv_usage"]
+__all__ = ["LeasesUnavailable", "Refused", "Retention", "kv_usage"]
 
 log = logging.getLogger("agentkv.router")
 
 Release = Callable[[StoredHandle, str], Awaitable[None]]
+
+REAP_BATCH = 1000
+"""Lapsed leases taken from the lease store at a time."""
+HELD_CHECKS = 64
+"""Store look-ups a lease call makes at once."""
+
+
+@dataclass(frozen=True)
+class Refused:
+    """Why a lease call did not renew a conversation's lease: an HTTP status and a message."""
+
+    status: int
+    message: str
+
+
+class LeasesUnavailable(Exception):
+    """The handle store or the lease store failed: nothing can be said about the leases."""
 
 
 def kv_usage(metrics_text: str) -> float | None:
@@ -74,32 +94,95 @@ class Retention:
         await cancel_and_wait(self._tasks)
 
     async def renew(self, key: StoreKey, seconds: float) -> float:
-        """Start or renew a lease (capped at the router's TTL); the seconds granted."""
+        """A turn's ``X-AgentKV-Lease``: start or renew the conversation's lease (the turn makes
+        its handle), capped at the router's TTL; the seconds granted (0 when the tenant is at
+        ``max_leases_per_tenant``: the turn is served, its KV keeps D's TTL)."""
         granted = min(seconds, self.config.router_ttl_s)
         try:
-            await self.leases.renew(key, granted)
+            [ok] = await self.leases.renew(
+                key[0], [key[1]], granted, limit=self.config.max_leases_per_tenant
+            )
         except Exception as exc:  # a lease is a hint: a failure costs early release, no more
             log.warning("lease renewal failed: %s", exc)
-        return granted
+            return granted
+        return granted if ok else 0.0
+
+    async def renew_held(
+        self, tenant: str, conversations: Sequence[str], seconds: float
+    ) -> tuple[float, list[Refused | None]]:
+        """A lease call: renew the leases of those of ``conversations`` that have a stored
+        handle; the seconds granted and, per conversation, None (renewed) or why not: 404 (no
+        stored handle: nothing to hold; a lease it holds is not extended and lapses on its own)
+        or 429 (a new lease past ``max_leases_per_tenant``).
+
+        Raises :class:`LeasesUnavailable` when the handle store or the lease store fails."""
+        granted = min(seconds, self.config.router_ttl_s)
+        held: list[bool] = []
+        for i in range(0, len(conversations), HELD_CHECKS):
+            chunk = conversations[i : i + HELD_CHECKS]
+            found = await asyncio.gather(*(self.store.candidates((tenant, c)) for c in chunk))
+            held += [bool(f) for f in found]
+        if not self.store.healthy:
+            raise LeasesUnavailable("The handle store is unavailable: leases cannot be renewed.")
+        keep = [c for c, h in zip(conversations, held, strict=True) if h]
+        limit = self.config.max_leases_per_tenant
+        try:
+            renewed = iter(await self.leases.renew(tenant, keep, granted, limit=limit))
+        except Exception as exc:
+            log.warning("lease renewal failed: %s", exc)
+            raise LeasesUnavailable("The lease store is unavailable.") from exc
+        out: list[Refused | None] = []
+        for conversation, h in zip(conversations, held, strict=True):
+            if not h:
+                out.append(
+                    Refused(
+                        404,
+                        f"No stored KV for conversation {conversation!r}: "
+                        "nothing to hold (a turn with X-AgentKV-Lease starts a lease).",
+                    )
+                )
+            elif not next(renewed):
+                out.append(
+                    Refused(
+                        429,
+                        f"This tenant holds {limit} leases "
+                        "(max_leases_per_tenant): close conversations or let leases "
+                        "lapse before leasing more.",
+                    )
+                )
+            else:
+                out.append(None)
+        return granted, out
 
     async def drop(self, key: StoreKey) -> None:
         with contextlib.suppress(Exception):
             await self.leases.drop(key)
 
-    async def reap_leases(self) -> int:
-        """Release the handles of every conversation whose lease lapsed; how many handles."""
-        try:
-            keys = await self.leases.lapsed()
-        except Exception as exc:
-            log.warning("reading leases failed: %s", exc)
-            return 0
-        released = 0
-        for key in keys:
-            for handle in await self.store.delete(key):
-                await self.release(handle, "lease")
-                released += 1
+    async def reap_leases(self, budget_s: float | None = None) -> int:
+        """Release the handles of the conversations whose lease lapsed, batch after batch
+        (round-robin across tenants, yielding between batches) until none is left or
+        ``budget_s`` (default ``lease_check_interval_s``) has passed; how many handles."""
+        budget = self.config.lease_check_interval_s if budget_s is None else budget_s
+        deadline = time.monotonic() + budget
+        released = lapsed = 0
+        while True:
+            try:
+                keys = await self.leases.lapsed(REAP_BATCH)
+            except Exception as exc:
+                log.warning("reading leases failed: %s", exc)
+                break
+            lapsed += len(keys)
+            for key in keys:
+                for handle in await self.store.delete(key):
+                    await self.release(handle, "lease")
+                    released += 1
+            if len(keys) < REAP_BATCH or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0)
         if released:
-            log.info("released %d handles of %d lapsed leases", released, len(keys))
+            log.info("released %d handles of %d lapsed leases", released, lapsed)
+        with contextlib.suppress(Exception):
+            self.metrics.leases.set(await self.leases.size())
         return released
 
     async def relieve(self, engine: Upstream) -> int:
