@@ -158,4 +158,5 @@ class RouterMetric:
     TURN_SECONDS: Final = "agentkv_router_turn_seconds"
     FIRST_BYTE_SECONDS: Final = "agentkv_router_first_byte_seconds"
     STORE_HANDLES: Final = "agentkv_router_store_handles"
+    STORE_EVICTIONS: Final = "agentkv_router_store_evictions"
     ENGINE_HEALTHY: Final = "agentkv_router_engine_healthy"

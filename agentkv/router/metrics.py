@@ -97,6 +97,13 @@ class RouterMetrics:
         buckets=_LATENCY,
     )
     store_size = Family(Gauge, R.STORE_HANDLES, "Handles held in the store.")
+    store_evictions = Family(
+        Counter,
+        R.STORE_EVICTIONS,
+        "Handles evicted (and released) because a bound was reached, by tenant and bound "
+        "(tenant: its store_max_entries_per_tenant; store: the memory store's store_max_entries).",
+        ("tenant", "bound"),
+    )
     healthy = Family(Gauge, R.ENGINE_HEALTHY, "1 when the engine is in rotation.", ("role", "url"))
 
     def __init__(self) -> None:
