@@ -5,6 +5,9 @@ the in-process pieces are in test_tenancy_units.py."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 import uuid
 from typing import Any
@@ -222,3 +225,29 @@ def router_metrics_for(s: Stack) -> dict[str, float]:
             name, value = line.rsplit(" ", 1)
             out[name] = float(value)
     return out
+
+
+def test_an_unusable_kept_secret_stops_the_router_with_one_line(tmp_path):
+    state = tmp_path / "state"
+    (state / "agentkv").mkdir(parents=True)
+    (state / "agentkv" / "salt_secret").write_text("short\n")
+    config = tmp_path / "router.json"
+    config.write_text(
+        json.dumps(
+            {
+                "prefill": [{"url": "http://127.0.0.1:9"}],
+                "decode": [{"url": "http://127.0.0.1:9"}],
+                "tenants": TENANTS,
+                "port": free_port(),
+            }
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "agentkv", "router", "--config", str(config)],
+        env={**os.environ, "XDG_STATE_HOME": str(state)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "holds no usable salt secret" in done.stderr and "Traceback" not in done.stderr
