@@ -89,8 +89,13 @@ def router(
         logging.getLogger("agentkv.router").info(banner)
     else:
         typer.echo(banner, err=True)
+    try:
+        app = create_app(cfg)
+    except (OSError, ValueError) as exc:  # e.g. the kept salt secret cannot be made or read
+        typer.echo(f"agentkv router: {one_line(exc, _ROUTER_FLAGS)}", err=True)
+        raise typer.Exit(2) from exc
     uvicorn.run(
-        create_app(cfg),
+        app,
         host=cfg.host,
         port=cfg.port,
         http=bounded_protocol(HeadLimits(cfg.max_header_bytes, cfg.max_headers), cfg.http_parser),

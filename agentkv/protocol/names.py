@@ -178,6 +178,7 @@ class RouterMetric:
     FIRST_BYTE_SECONDS: Final = "agentkv_router_first_byte_seconds"
     STORE_HANDLES: Final = "agentkv_router_store_handles"
     LEASES: Final = "agentkv_router_leases"
+    STORE_EVICTIONS: Final = "agentkv_router_store_evictions"
     ENGINE_HEALTHY: Final = "agentkv_router_engine_healthy"
     ENGINE_RESTARTS: Final = "agentkv_router_engine_restarts"
     HANDLES_DROPPED: Final = "agentkv_router_handles_dropped"

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, Literal
 
@@ -42,15 +43,14 @@ from agentkv.router.pd import Router, UpstreamError
 from agentkv.router.redis_store import RedisStore
 from agentkv.router.request import (
     RouterError,
-    is_admin,
     lease_seconds,
     parse_request,
     read_body,
-    tenant_for,
 )
 from agentkv.router.retention import LeasesUnavailable
 from agentkv.router.server import HeadLimits, bounded_protocol
-from agentkv.router.store import HandleStore, make_store
+from agentkv.router.store import Bound, HandleStore, make_store
+from agentkv.router.tenancy import Tenancy
 from agentkv.router.tracing import extracted
 from agentkv.router.upstream import EnginePool
 
@@ -108,13 +108,16 @@ def create_app(
     open_admin = not config.tenants and not config.admin_api_keys
     """No tenants, no admin keys: everything is open, as before tenancy."""
     head_limits = HeadLimits(config.max_header_bytes, config.max_headers)
+    tenancy = Tenancy(config)
+    tenant_for, is_admin = tenancy.tenant_for, tenancy.is_admin
     the_store = GuardedStore(
         store
         or make_store(
             config.store,
             max_entries=config.store_max_entries,
-            max_entries_per_tenant=config.store_max_entries_per_tenant,
+            max_entries_per_tenant=config.tenant_bound,
             per_conversation=config.handles_per_conversation,
+            on_evict=EvictionReport(metrics),
         ),
         failures_to_open=config.store_failures_to_open,
         open_s=config.store_open_s,
@@ -159,10 +162,10 @@ def create_app(
     def generate(chat: bool) -> Handler:
         async def handler(request: Request) -> Response:
             # the key first: an unknown client does not get to send a body
-            tenant_for(config, request.headers.get("authorization"))
+            caller = tenant_for(request.headers.get("authorization"))
             raw = await read_body(request, config.max_body_bytes)
             headers = {k.lower(): v for k, v in request.headers.items()}
-            req = parse_request(raw, headers, chat=chat, config=config)
+            req = parse_request(raw, headers, chat=chat, config=config, caller=caller)
             with extracted(headers):  # the client's traceparent: the parent of the turn's span
                 return await router.turn(req)
 
@@ -172,7 +175,7 @@ def create_app(
         """``/tokenize`` and ``/detokenize``: answered by a healthy P, as the engines would."""
 
         async def handler(request: Request) -> Response:
-            tenant_for(config, request.headers.get("authorization"))
+            tenant_for(request.headers.get("authorization"))
             raw = await read_body(request, config.max_body_bytes)
             for engine in [e for e in pool.prefill if e.healthy] or pool.prefill:
                 try:
@@ -186,7 +189,7 @@ def create_app(
         return _guard(metrics, aborts, handler)
 
     async def models(request: Request) -> Response:
-        tenant_for(config, request.headers.get("authorization"))
+        tenant_for(request.headers.get("authorization"))
         for engine in [e for e in pool.decode if e.healthy] or pool.decode:
             try:
                 r = await engine.client.get("/v1/models", timeout=10)
@@ -208,7 +211,7 @@ def create_app(
             # a failing store costs reuse, never answers: degraded, still 200
             "store": "ok" if the_store.healthy else "degraded",
         }
-        if open_admin or is_admin(config, request.headers.get("authorization")):
+        if open_admin or is_admin(request.headers.get("authorization")):
             body["prefill"] = {e.url: e.ready for e in pool.prefill}
             body["decode"] = {e.url: e.ready for e in pool.decode}
             body["handles"] = await the_store.size()
@@ -223,14 +226,14 @@ def create_app(
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def metrics_route(request: Request) -> Response:
-        if not open_admin and not is_admin(config, request.headers.get("authorization")):
+        if not open_admin and not is_admin(request.headers.get("authorization")):
             raise RouterError(401, "/metrics needs an admin key (Authorization: Bearer <key>).")
         return await metrics_text(request)
 
     metrics_app = Starlette(routes=[Route("/metrics", metrics_text, methods=["GET"])])
 
     async def close(request: Request) -> Response:
-        tenant, _ = tenant_for(config, request.headers.get("authorization"))
+        tenant = tenant_for(request.headers.get("authorization")).tenant
         conversation = request.path_params["conversation_id"]
         released = await router.close_conversation(tenant, conversation)
         return JSONResponse(
@@ -239,7 +242,7 @@ def create_app(
 
     async def lease_call(request: Request) -> tuple[str, dict[str, Any], float]:
         """A lease call's tenant, JSON body and ``lease_s`` (required)."""
-        tenant, _ = tenant_for(config, request.headers.get("authorization"))
+        tenant = tenant_for(request.headers.get("authorization")).tenant
         body = await _json_object(request)
         seconds = lease_seconds(body.get("lease_s"))
         if seconds is None:
@@ -322,6 +325,32 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     response = error_response(exc.status_code, message)
     response.headers.update(exc.headers or {})
     return response
+
+
+class EvictionReport:
+    """``on_evict`` of the store: the eviction metric, and a warning per tenant and bound at
+    most once every ``every_s`` seconds (a tenant at its bound evicts on every new turn)."""
+
+    def __init__(self, metrics: RouterMetrics, every_s: float = 60.0) -> None:
+        self._metrics, self._every_s = metrics, every_s
+        self._last: dict[tuple[str, Bound], float] = {}
+
+    def __call__(self, tenant: str, bound: Bound) -> None:
+        self._metrics.store_evictions.labels(tenant, bound).inc()
+        now = time.monotonic()
+        last = self._last.get((tenant, bound))
+        if last is None or now - last >= self._every_s:
+            self._last[(tenant, bound)] = now
+            what = (
+                "its bound (store_max_entries_per_tenant)"
+                if bound == "tenant"
+                else "the largest share of a full store (store_max_entries)"
+            )
+            log.warning(
+                "tenant %s holds %s: its oldest handles are evicted (and released)",
+                safe(tenant),
+                what,
+            )
 
 
 async def _json_object(request: Request) -> dict[str, Any]:

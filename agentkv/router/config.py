@@ -17,7 +17,11 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-__all__ = ["Backend", "RouterConfig", "Tenant"]
+__all__ = ["SHARED_NAMESPACE", "Backend", "RouterConfig", "Tenant"]
+
+SHARED_NAMESPACE = "shared"
+"""The namespace of sharing tenants' own client salts (``shared:<salt>``); no tenant may have it
+as its configured ``cache_salt``."""
 
 
 class Backend(BaseModel):
@@ -76,7 +80,9 @@ class Tenant(BaseModel):
     prefix cache). Unset: derived from the name and ``salt_secret``."""
     share_prefix_cache: bool = False
     """True: no salt, this tenant shares the engines' unsalted prefix cache (with the other
-    tenants that share and with clients of the engines that bypass the router)."""
+    tenants that share and with clients of the engines that bypass the router); a ``cache_salt``
+    its clients send goes to the engines as ``shared:<salt>``, never into a salted tenant's
+    namespace."""
 
     @model_validator(mode="after")
     def _check_salt(self) -> Tenant:
@@ -90,6 +96,11 @@ class Tenant(BaseModel):
             raise ValueError(
                 f"tenant {self.name!r}: cache_salt must be 1-96 characters without '@', '/', "
                 "'\\', ':' or NUL (vLLM's rule, with room for a client's own salt)"
+            )
+        if self.cache_salt == SHARED_NAMESPACE:
+            raise ValueError(
+                f"tenant {self.name!r}: cache_salt {SHARED_NAMESPACE!r} is reserved (the "
+                "namespace of sharing tenants' client salts)"
             )
         return self
 
@@ -140,8 +151,9 @@ class RouterConfig(BaseModel):
     """``memory`` or a ``redis://`` URL (several router replicas share it)."""
     store_max_entries: int = Field(100_000, ge=1)
     store_max_entries_per_tenant: int | None = Field(None, ge=1)
-    """Memory store: at most this many handles per tenant, so no tenant's conversations can
-    evict another tenant's handles (default: the whole store)."""
+    """At most this many handles per tenant (memory and Redis stores), so no tenant's
+    conversations can evict another tenant's handles. Default: with tenants, an equal share,
+    ``store_max_entries // len(tenants)``; without, the whole store (memory) or none (Redis)."""
     handles_per_conversation: int = Field(4, ge=1)
     """K: handles kept per (tenant, conversation id), one per branch of history (several agents
     on one thread, sub-agents); a turn takes the one with the longest verified prefix, and the
@@ -194,8 +206,10 @@ class RouterConfig(BaseModel):
     # -- hardening: tenancy salts, admin endpoints, logs -----------------------------------------
     salt_secret: str | None = None
     """Key of the HMAC that derives each tenant's ``cache_salt`` from its name (every replica
-    must have the same). Unset: the salt is derived from the name alone, so anyone who can reach
-    the engines directly can compute it; through the router, tenants stay apart either way."""
+    must have the same; a long random string). Unset while some tenant's salt is derived: a
+    random secret is generated once and kept in the user's state directory
+    (:func:`agentkv.router.tenancy.secret_path`), which replicas on one host share and replicas
+    on other hosts do not (a warning says so)."""
     admin_api_keys: list[str] = Field(default_factory=list)
     """Bearer keys that see ``/health``'s internals and, with tenants, ``/metrics``."""
     metrics_port: int | None = Field(None, ge=1, le=65535)
@@ -212,6 +226,16 @@ class RouterConfig(BaseModel):
         if self.metrics_port is not None and self.metrics_port == self.port:
             raise ValueError(f"metrics_port ({self.metrics_port}) must differ from port")
         return self
+
+    @property
+    def tenant_bound(self) -> int | None:
+        """Handles a tenant may hold: ``store_max_entries_per_tenant``, else with tenants an
+        equal share of ``store_max_entries``; ``None``: no per-tenant bound."""
+        if self.store_max_entries_per_tenant is not None:
+            return self.store_max_entries_per_tenant
+        if self.tenants:
+            return max(1, self.store_max_entries // len(self.tenants))
+        return None
 
     @property
     def router_ttl_s(self) -> float:

@@ -6,14 +6,21 @@ Layout (``%`` and ``:`` in the tenant and conversation id escaped as ``%25`` and
   ``b"<ttl_ms> " + StoredHandle.to_json()``, expiry ``PX`` (the stored ttl and the key's ``PTTL``
   give a handle's age on Redis's clock, which all replicas share);
 - one index per conversation, ``f"{prefix}i:{tenant}:{conversation_id}"``, a sorted set of handle
-  ids scored by when they were stored (Redis's ``TIME``), expiring with its newest handle.
+  ids scored by when they were stored (Redis's ``TIME``), expiring with its newest handle;
+- with a per-tenant bound (``max_entries_per_tenant``), one set per tenant,
+  ``f"{prefix}t:{tenant}"``, of its handle keys scored by when they expire (µs on Redis's clock):
+  ``put`` adds to it, drops what has expired, and while the tenant holds more than its bound
+  takes its oldest handles out (returned with the displaced ones), so one tenant's
+  conversations never evict another's.
 
 Every operation that changes a conversation is one Lua script, atomic on the server: ``put``
 (store, index, drop the oldest beyond K and return them), ``take`` (GET, PTTL, DEL of one handle:
 of any number of replicas racing on one handle exactly one gets it). Scripts touch the handle keys
 of the conversation they are given, so this layout is for a single Redis (or a primary with
-replicas), not Redis Cluster. No LRU: bound memory with Redis's ``maxmemory`` and a ``volatile-*``
-eviction policy (every key here has a TTL); an evicted handle's blocks are freed by D's own TTL.
+replicas), not Redis Cluster. No LRU over the whole: bound memory with Redis's ``maxmemory`` and a
+``volatile-*`` eviction policy (every key here has a TTL), with room for every tenant's bound so
+that Redis's own eviction, which knows no tenants, never runs; an evicted handle's blocks are
+freed by D's own TTL.
 
 Connection errors and timeouts are retried on a fresh connection (redis-py's ``Retry``), so a
 restarted Redis costs no turn; the router's :class:`~agentkv.router.guard.GuardedStore` turns
@@ -29,6 +36,7 @@ from typing import TYPE_CHECKING
 
 from agentkv.router.store import (
     DEFAULT_PER_CONVERSATION,
+    OnEvict,
     StoredHandle,
     StoreKey,
     Taken,
@@ -46,14 +54,17 @@ log = logging.getLogger("agentkv.router")
 
 _REDIS_EXTRA_HINT = 'RedisStore needs the redis client library: pip install "vllm-agentkv[redis]"'
 
-# KEYS: handle key, index key. ARGV: handle id, value, px, K, handle key prefix of the conversation.
-# Returns the values of the handles dropped beyond K (oldest first).
+# KEYS: handle key, index key, tenant key. ARGV: handle id, value, px, K, handle key prefix of the
+# conversation, the tenant's bound (0: none). Returns {the values of the handles dropped beyond K
+# (oldest first), the values of the tenant's handles evicted past its bound}.
 _PUT_LUA = """
-redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+local px = tonumber(ARGV[3])
+redis.call('SET', KEYS[1], ARGV[2], 'PX', px)
 local t = redis.call('TIME')
-redis.call('ZADD', KEYS[2], tonumber(t[1]) * 1000000 + tonumber(t[2]), ARGV[1])
-if redis.call('PTTL', KEYS[2]) < tonumber(ARGV[3]) then
-  redis.call('PEXPIRE', KEYS[2], ARGV[3])
+local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+redis.call('ZADD', KEYS[2], now_us, ARGV[1])
+if redis.call('PTTL', KEYS[2]) < px then
+  redis.call('PEXPIRE', KEYS[2], px)
 end
 local out = {}
 local ids = redis.call('ZRANGE', KEYS[2], 0, -1)
@@ -73,9 +84,27 @@ while #live - i + 1 > k do
   if v then table.insert(out, v) end
   redis.call('DEL', hk)
   redis.call('ZREM', KEYS[2], live[i])
+  redis.call('ZREM', KEYS[3], hk)
   i = i + 1
 end
-return out
+local evicted = {}
+local bound = tonumber(ARGV[6])
+if bound > 0 then
+  redis.call('ZADD', KEYS[3], now_us + px * 1000, KEYS[1])
+  if redis.call('PTTL', KEYS[3]) < px then
+    redis.call('PEXPIRE', KEYS[3], px)
+  end
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now_us)
+  while redis.call('ZCARD', KEYS[3]) > bound do
+    local hk = redis.call('ZPOPMIN', KEYS[3])[1]
+    local v = redis.call('GET', hk)
+    if v then
+      table.insert(evicted, v)
+      redis.call('DEL', hk)
+    end
+  end
+end
+return {out, evicted}
 """
 
 # KEYS: index key. ARGV: handle key prefix. Returns {id, value, pttl, ...} newest first.
@@ -95,9 +124,11 @@ end
 return out
 """
 
-# KEYS: handle key, index key. ARGV: handle id. Atomic get-and-delete with the remaining TTL (ms).
+# KEYS: handle key, index key, tenant key. ARGV: handle id. Atomic get-and-delete with the
+# remaining TTL (ms).
 _TAKE_LUA = """
 redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[3], KEYS[1])
 local v = redis.call('GET', KEYS[1])
 if not v then return false end
 local ttl = redis.call('PTTL', KEYS[1])
@@ -106,12 +137,14 @@ return {v, ttl}
 """
 
 # Compare-and-delete, per key: delete KEYS[i] only if it still holds ARGV[i] (drop_decode must not
-# drop a handle that another replica has just stored under the same key).
+# drop a handle that another replica has just stored under the same key); KEYS[#ARGV + i] is the
+# set of KEYS[i]'s tenant.
 _DROP_IF_UNCHANGED_LUA = """
 local n = 0
-for i, k in ipairs(KEYS) do
-  if redis.call('GET', k) == ARGV[i] then
-    redis.call('DEL', k)
+for i, v in ipairs(ARGV) do
+  if redis.call('GET', KEYS[i]) == v then
+    redis.call('DEL', KEYS[i])
+    redis.call('ZREM', KEYS[#ARGV + i], KEYS[i])
     n = n + 1
   end
 end
@@ -175,6 +208,8 @@ class RedisStore:
         *,
         prefix: str = "agentkv:",
         per_conversation: int = DEFAULT_PER_CONVERSATION,
+        max_entries_per_tenant: int | None = None,
+        on_evict: OnEvict | None = None,
         client: redis.asyncio.Redis | None = None,
         socket_timeout_s: float = 2.0,
     ) -> None:
@@ -186,8 +221,14 @@ class RedisStore:
         except ImportError as e:
             raise ImportError(_REDIS_EXTRA_HINT) from e
         check_per_conversation(per_conversation)
+        if max_entries_per_tenant is not None and max_entries_per_tenant < 1:
+            raise ValueError(
+                f"max_entries_per_tenant must be at least 1, got {max_entries_per_tenant}"
+            )
         self._prefix = prefix
         self._per_conversation = per_conversation
+        self._per_tenant = max_entries_per_tenant or 0
+        self._on_evict = on_evict
         self._owns_client = client is None
         self._client: redis.asyncio.Redis = (
             aioredis.Redis.from_url(
@@ -226,6 +267,15 @@ class RedisStore:
         """The Redis sorted set of ``key``'s handle ids."""
         return f"{self._prefix}i:{self._conv(key)}"
 
+    def tenant_key(self, tenant: str) -> str:
+        """The Redis sorted set of ``tenant``'s handle keys (kept with a per-tenant bound)."""
+        return f"{self._prefix}t:{_escape_part(tenant)}"
+
+    def _tenant_key_of(self, handle_key: bytes) -> bytes:
+        """The tenant set of a handle key (``{prefix}h:{tenant}:…``; the tenant has no ':')."""
+        tenant = handle_key[len(self._prefix) + 2 :].split(b":", 1)[0]
+        return self._prefix.encode() + b"t:" + tenant
+
     async def put(
         self, key: StoreKey, handle: StoredHandle, ttl_s: float, *, age_s: float = 0.0
     ) -> list[StoredHandle]:
@@ -234,21 +284,25 @@ class RedisStore:
         px = ttl_ms - round(max(0.0, age_s) * 1000)
         if px <= 0:
             return []
-        dropped = await self._put_script(
-            keys=[self.key(key, handle.id), self.index_key(key)],
+        dropped, evicted = await self._put_script(
+            keys=[self.key(key, handle.id), self.index_key(key), self.tenant_key(key[0])],
             args=[
                 handle.id,
                 _pack(handle, ttl_ms),
                 px,
                 self._per_conversation,
                 self.key(key, ""),
+                self._per_tenant,
             ],
         )
         out: list[StoredHandle] = []
-        for raw in dropped or []:
+        for raw in [*(dropped or []), *(evicted or [])]:
             unpacked = _unpack(raw)
             if unpacked is not None:
                 out.append(unpacked[1])
+        if self._on_evict is not None:
+            for _ in evicted or []:
+                self._on_evict(key[0], "tenant")
         return out
 
     async def candidates(self, key: StoreKey) -> list[Taken]:
@@ -267,7 +321,8 @@ class RedisStore:
                 return None
             handle_id = live[0].handle.id
         got = await self._take_script(
-            keys=[self.key(key, handle_id), self.index_key(key)], args=[handle_id]
+            keys=[self.key(key, handle_id), self.index_key(key), self.tenant_key(key[0])],
+            args=[handle_id],
         )
         if not got:
             return None
@@ -300,7 +355,10 @@ class RedisStore:
                     doomed_keys.append(k)
                     doomed_values.append(_as_bytes(raw))
             if doomed_keys:
-                dropped += int(await self._drop_script(keys=doomed_keys, args=doomed_values))
+                tenants = [self._tenant_key_of(k) for k in doomed_keys]
+                dropped += int(
+                    await self._drop_script(keys=[*doomed_keys, *tenants], args=doomed_values)
+                )
         return dropped
 
     async def take_oldest(self, decode_url: str, fraction: float) -> list[StoredHandle]:
@@ -320,7 +378,7 @@ class RedisStore:
             # the same atomic take as a turn's: a handle a turn took first is skipped
             prefix, _, handle_id = k.decode().rpartition(":")
             index = self._prefix + "i:" + prefix[len(self._prefix) + 2 :]
-            got = await self._take_script(keys=[k, index], args=[handle_id])
+            got = await self._take_script(keys=[k, index, self._tenant_key_of(k)], args=[handle_id])
             if got:
                 taken = _taken(got[0], int(got[1]))
                 if taken is not None:

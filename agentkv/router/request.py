@@ -6,9 +6,6 @@ stored handle: OpenAI's error shape, 4xx, and no state change.
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import hmac
 import math
 import re
 from dataclasses import dataclass
@@ -27,7 +24,9 @@ from agentkv.protocol import (
 )
 from agentkv.protocol.http import json_object
 from agentkv.router.config import RouterConfig
+from agentkv.router.errors import RouterError
 from agentkv.router.session import conversation_of
+from agentkv.router.tenancy import ANONYMOUS, Caller
 
 __all__ = [
     "MAX_TOKEN_ID",
@@ -35,7 +34,6 @@ __all__ = [
     "RouterError",
     "parse_request",
     "read_body",
-    "tenant_for",
 ]
 
 INT64_MAX = (1 << 63) - 1
@@ -44,19 +42,6 @@ MAX_TOKEN_ID = (1 << 31) - 1
 _EPOCH = re.compile(r"-?[0-9]{1,19}")
 _SALT_FORBIDDEN = ("@", "/", "\\", "\0")
 _MAX_SALT = 128  # vLLM's limit on cache_salt
-
-
-class RouterError(Exception):
-    """A request the router answers itself, in OpenAI's error shape.
-
-    ``close``: the request body was not read to its end, so the connection is closed after the
-    answer (``Connection: close``) instead of reading the rest."""
-
-    def __init__(
-        self, status: int, message: str, *, param: str | None = None, close: bool = False
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.close = status, message, param, close
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -191,57 +176,6 @@ class ClientRequest:
         return dict(self.body)
 
 
-def bearer(authorization: str | None) -> str:
-    """The key of an ``Authorization: Bearer <key>`` header ("" without one)."""
-    if authorization and authorization.lower().startswith("bearer "):
-        return authorization[7:].strip()
-    return ""
-
-
-def is_admin(config: RouterConfig, authorization: str | None) -> bool:
-    """Whether the header carries one of ``admin_api_keys``."""
-    token = bearer(authorization)
-    return bool(token) and any(hmac.compare_digest(token, k) for k in config.admin_api_keys)
-
-
-@functools.lru_cache(maxsize=4096)
-def derived_salt(tenant: str, secret: str | None) -> str:
-    """A tenant's default ``cache_salt``: HMAC-SHA256 of its name under ``salt_secret`` (under
-    a fixed key when none is configured), 128 bits in hex. Every replica derives the same."""
-    key = (secret or "agentkv-tenant-salt-v1").encode()
-    return "akv-" + hmac.new(key, tenant.encode(), hashlib.sha256).hexdigest()[:32]
-
-
-def tenant_for(config: RouterConfig, authorization: str | None) -> tuple[str, str | None]:
-    """(tenant name, cache salt) for an ``Authorization`` header; 401 when keys are configured
-    and this one is unknown. Without tenants: ``("default", None)`` (no salt)."""
-    if not config.tenants:
-        return "default", None
-    token = bearer(authorization)
-    for tenant in config.tenants:
-        if token in tenant.api_keys:
-            if tenant.share_prefix_cache:
-                return tenant.name, None
-            if tenant.cache_salt is not None:
-                return tenant.name, tenant.cache_salt
-            return tenant.name, derived_salt(tenant.name, config.salt_secret)
-    raise RouterError(401, "Invalid or missing API key (Authorization: Bearer <key>).")
-
-
-def effective_salt(tenant_salt: str | None, client_salt: str | None) -> str | None:
-    """The ``cache_salt`` the engines get: the tenant's, then the client's own after a ``:``
-    (hashed when the two would pass vLLM's 128 characters). A tenant salt never contains ``:``,
-    so no client salt can make one tenant's namespace equal another's."""
-    if tenant_salt is None:
-        return client_salt
-    if client_salt is None:
-        return tenant_salt
-    combined = f"{tenant_salt}:{client_salt}"
-    if len(combined) <= _MAX_SALT:
-        return combined
-    return f"{tenant_salt}:h-{hashlib.sha256(client_salt.encode()).hexdigest()[:32]}"
-
-
 def _check_salt(value: Any) -> str | None:
     """vLLM's rule for ``cache_salt``: absent, or a non-empty string of at most 128 characters
     without ``@``, ``/``, ``\\`` or NUL."""
@@ -296,15 +230,16 @@ def parse_request(
     chat: bool,
     config: RouterConfig,
     session_body: dict[str, Any] | None = None,
+    caller: Caller = ANONYMOUS,
 ) -> ClientRequest:
-    """Parse and check a request body and its headers (raises :class:`RouterError`).
+    """Parse and check a request body and its headers (raises :class:`RouterError`) for
+    ``caller`` (its API key's tenant: :meth:`~agentkv.router.tenancy.Tenancy.tenant_for`).
 
     ``session_body``: the body as the client sent it, when ``raw`` is another API's request
     converted to Chat Completions (its session signals, such as Claude Code's
     ``metadata.user_id``, are read there)."""
     if len(raw) > config.max_body_bytes:
         raise RouterError(413, f"Request body larger than {config.max_body_bytes} bytes.")
-    tenant, salt = tenant_for(config, headers.get("authorization"))
     try:
         body = json_object(raw)
     except ValueError as exc:
@@ -344,13 +279,13 @@ def parse_request(
             raise RouterError(
                 400, "The router serves one prompt per completions request.", param="prompt"
             )
-    effective = effective_salt(salt, client_salt)
+    effective = caller.cache_salt(client_salt)
     if effective is not None:
         body["cache_salt"] = effective
     return ClientRequest(
         chat=chat,
         body=body,
-        tenant=tenant,
+        tenant=caller.tenant,
         cache_salt=body.get("cache_salt"),
         conversation_id=conversation,
         conversation_source=source,

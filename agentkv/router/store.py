@@ -10,11 +10,15 @@ racing on one Redis.
 
 Two implementations of :class:`HandleStore`:
 
-- :class:`MemoryStore`: one router process. Bounded (LRU over ``max_entries`` handles, and per
-  tenant over ``max_entries_per_tenant`` so no tenant can evict another's) and TTL'd on an
-  injectable monotonic clock.
+- :class:`MemoryStore`: one router process. Bounded (``max_entries`` handles, and per tenant
+  ``max_entries_per_tenant``; a full store evicts from the tenant holding the most, so no tenant
+  can evict another's within its share) and TTL'd on an injectable monotonic clock.
 - :class:`~agentkv.router.redis_store.RedisStore`: several router replicas sharing one Redis
-  (>= 6.2). Expiry is Redis's own (the server's clock, so replicas agree on age and expiry).
+  (>= 6.2). Expiry is Redis's own (the server's clock, so replicas agree on age and expiry);
+  the per-tenant bound is kept by its put script.
+
+Both call ``on_evict(tenant, bound)`` for every handle a bound evicts (``"tenant"``: the tenant's
+own bound, ``"store"``: the memory store's ``max_entries``), for the router's metric and log.
 
 ``put`` returns the handles it displaced (the conversation's oldest beyond K, and in memory any
 LRU-evicted ones) so the router can tell their D to free the blocks now; expired handles are never
@@ -30,13 +34,14 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeGuard
+from typing import Any, Literal, Protocol, TypeGuard
 
 import orjson
 
 from agentkv.protocol.kv_transfer import engine_id, handle_key
 
 __all__ = [
+    "Bound",
     "HandleStore",
     "MemoryStore",
     "StoreKey",
@@ -54,6 +59,11 @@ _FORMAT = 2
 share one Redis; a handle in a format this router does not know is treated as absent)."""
 
 DEFAULT_PER_CONVERSATION = 4
+
+Bound = Literal["tenant", "store"]
+"""Which bound evicted a handle: its tenant's, or the whole (memory) store's."""
+OnEvict = Callable[[str, Bound], None]
+"""Called with (tenant, bound) for every handle a bound evicts."""
 
 
 @dataclass(frozen=True)
@@ -233,10 +243,13 @@ class MemoryStore:
     """One router process's store: LRU-bounded and TTL'd on ``clock``.
 
     Bounds: ``max_entries`` handles in all, ``max_entries_per_tenant`` per tenant (default: no
-    more than the whole), ``per_conversation`` per conversation. The least recently *stored*
-    conversation loses its oldest handle first. Expired entries are purged on ``put`` and ``size``
-    (through a heap of expiry times, so a purge costs only what it removes) and ignored wherever
-    they are met. The methods never await, so each is atomic within one event loop.
+    more than the whole), ``per_conversation`` per conversation. A tenant past its bound loses
+    the oldest handle of its least recently *stored* conversation; a full store takes it from
+    the tenant holding the most handles (fair share: a tenant holding no more than
+    ``max_entries`` / the number of tenants in the store is never the one). Expired entries are
+    purged on ``put`` and ``size`` (through a heap of expiry times, so a purge costs only what it
+    removes) and ignored wherever they are met. The methods never await, so each is atomic
+    within one event loop.
     """
 
     def __init__(
@@ -246,18 +259,22 @@ class MemoryStore:
         max_entries_per_tenant: int | None = None,
         per_conversation: int = DEFAULT_PER_CONVERSATION,
         clock: Callable[[], float] = time.monotonic,
+        on_evict: OnEvict | None = None,
     ) -> None:
         if max_entries < 1:
             raise ValueError(f"max_entries must be at least 1, got {max_entries}")
         if max_entries_per_tenant is not None and max_entries_per_tenant < 1:
-            raise ValueError(f"max_entries_per_tenant must be at least 1, got {max_entries}")
+            raise ValueError(
+                f"max_entries_per_tenant must be at least 1, got {max_entries_per_tenant}"
+            )
         check_per_conversation(per_conversation)
         self._max_entries = max_entries
         self._per_tenant = max_entries_per_tenant or max_entries
         self._per_conversation = per_conversation
         self._clock = clock
-        # conversation -> its handles, oldest first; conversations in LRU order, per tenant too
-        self._convs: OrderedDict[StoreKey, OrderedDict[str, _Entry]] = OrderedDict()
+        self._on_evict = on_evict
+        # conversation -> its handles, oldest first; per tenant, its conversations in LRU order
+        self._convs: dict[StoreKey, OrderedDict[str, _Entry]] = {}
         self._tenants: dict[str, OrderedDict[StoreKey, None]] = {}
         self._tenant_count: dict[str, int] = {}
         self._count = 0
@@ -286,7 +303,6 @@ class MemoryStore:
         if conv is None:
             conv = self._convs[key] = OrderedDict()
         conv[handle.id] = entry
-        self._convs.move_to_end(key)
         tenant = self._tenants.setdefault(key[0], OrderedDict())
         tenant[key] = None
         tenant.move_to_end(key)
@@ -298,9 +314,10 @@ class MemoryStore:
         while len(conv) > self._per_conversation:
             displaced.append(self._pop_oldest(key))
         while self._tenant_count[key[0]] > self._per_tenant:
-            displaced.append(self._pop_oldest(next(iter(self._tenants[key[0]]))))
+            displaced.append(self._evict(key[0], "tenant"))
         while self._count > self._max_entries:
-            displaced.append(self._pop_oldest(next(iter(self._convs))))
+            largest = max(self._tenant_count, key=self._tenant_count.__getitem__)
+            displaced.append(self._evict(largest, "store"))
         self._compact()
         return displaced
 
@@ -379,6 +396,13 @@ class MemoryStore:
         self._expiry.clear()
         self._count = 0
 
+    def _evict(self, tenant: str, bound: Bound) -> StoredHandle:
+        """Drop the oldest handle of ``tenant``'s least recently stored conversation."""
+        evicted = self._pop_oldest(next(iter(self._tenants[tenant])))
+        if self._on_evict is not None:
+            self._on_evict(tenant, bound)
+        return evicted
+
     def _pop_oldest(self, key: StoreKey) -> StoredHandle:
         handle_id = next(iter(self._convs[key]))
         entry = self._remove(key, handle_id)
@@ -437,21 +461,30 @@ def make_store(
     per_conversation: int = DEFAULT_PER_CONVERSATION,
     clock: Callable[[], float] = time.monotonic,
     prefix: str = "agentkv:",
+    on_evict: OnEvict | None = None,
 ) -> HandleStore:
     """The store a router configuration names: ``None`` or ``"memory"`` for a :class:`MemoryStore`
     (``max_entries``, ``max_entries_per_tenant``, ``clock``), a ``redis://``, ``rediss://`` or
-    ``unix://`` URL for a :class:`~agentkv.router.redis_store.RedisStore` (``prefix``; Redis bounds
-    itself, so the entry bounds do not apply). Both keep ``per_conversation`` handles per
-    conversation."""
+    ``unix://`` URL for a :class:`~agentkv.router.redis_store.RedisStore` (``prefix``,
+    ``max_entries_per_tenant``; Redis bounds the whole itself, so ``max_entries`` does not
+    apply). Both keep ``per_conversation`` handles per conversation and report evictions to
+    ``on_evict``."""
     if url is None or url == "memory":
         return MemoryStore(
             max_entries=max_entries,
             max_entries_per_tenant=max_entries_per_tenant,
             per_conversation=per_conversation,
             clock=clock,
+            on_evict=on_evict,
         )
     if url.startswith(("redis://", "rediss://", "unix://")):
         from agentkv.router.redis_store import RedisStore
 
-        return RedisStore(url, prefix=prefix, per_conversation=per_conversation)
+        return RedisStore(
+            url,
+            prefix=prefix,
+            per_conversation=per_conversation,
+            max_entries_per_tenant=max_entries_per_tenant,
+            on_evict=on_evict,
+        )
     raise ValueError(f"unknown handle store {url!r}: use 'memory' or a redis:// URL")

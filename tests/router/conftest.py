@@ -1,8 +1,11 @@
 """Fixtures of the router tests: a real redis-server for the session (``redis_url``); the
-helpers that start one are in ``redis_support``."""
+helpers that start one are in ``redis_support``. Every router these tests start (in process or
+as a child) keeps a generated tenant salt secret in a temporary state directory, never in the
+user's own."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Iterator
 
@@ -23,3 +26,18 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     assert binary is not None
     with _start(binary, tmp_path_factory.mktemp("redis")) as server:
         yield f"redis://127.0.0.1:{server.port}/0"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """``XDG_STATE_HOME`` (platformdirs' user state directory on Linux) in a temporary directory
+    for the session, inherited by the routers the tests start."""
+    before = os.environ.get("XDG_STATE_HOME")
+    os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state"))
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("XDG_STATE_HOME", None)
+        else:
+            os.environ["XDG_STATE_HOME"] = before

@@ -138,7 +138,7 @@ async def inprocess_stack(
     store = make_store(
         config.store,
         max_entries=config.store_max_entries,
-        max_entries_per_tenant=config.store_max_entries_per_tenant,
+        max_entries_per_tenant=config.tenant_bound,
         per_conversation=config.handles_per_conversation,
         clock=clock.monotonic,
     )

@@ -357,7 +357,7 @@ def test_every_tenant_is_salted_by_default(tenants):
     assert again >= 128 > first  # the probe works: a tenant hits its own prefix cache
     assert _cached(tenants, "sk-b", prompt) == 0  # another tenant does not
     # nor with A's derived salt as its own cache_salt (B's salt always comes first)
-    from agentkv.router.request import derived_salt
+    from agentkv.router.tenancy import derived_salt
 
     assert _cached(tenants, "sk-b", prompt, salt=derived_salt("team-a", "test-secret")) == 0
     # tenants configured to share do share

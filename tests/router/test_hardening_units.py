@@ -10,13 +10,8 @@ from pydantic import ValidationError
 
 from agentkv.router.config import RouterConfig, Tenant
 from agentkv.router.logs import JsonFormatter, SafeFormatter, safe
-from agentkv.router.request import (
-    RouterError,
-    derived_salt,
-    effective_salt,
-    parse_request,
-    tenant_for,
-)
+from agentkv.router.request import RouterError, parse_request
+from agentkv.router.tenancy import ANONYMOUS, Caller, Tenancy, derived_salt, effective_salt
 
 BACKENDS = {"prefill": [{"url": "http://p:1"}], "decode": [{"url": "http://d:1"}]}
 
@@ -72,13 +67,14 @@ def test_tenant_salt_options():
             ],
         }
     )
-    assert tenant_for(cfg, "Bearer ka") == ("a", derived_salt("a", "s"))
-    assert tenant_for(cfg, "Bearer kb") == ("b", "fixed")
-    assert tenant_for(cfg, "Bearer kc") == ("c", None)
+    tenancy = Tenancy(cfg)
+    assert tenancy.tenant_for("Bearer ka") == Caller("a", derived_salt("a", "s"))
+    assert tenancy.tenant_for("Bearer kb") == Caller("b", "fixed")
+    assert tenancy.tenant_for("Bearer kc") == Caller("c", shares=True)
     with pytest.raises(RouterError):
-        tenant_for(cfg, "Bearer nope")
+        tenancy.tenant_for("Bearer nope")
     anonymous = RouterConfig.model_validate(BACKENDS)
-    assert tenant_for(anonymous, None) == ("default", None)
+    assert Tenancy(anonymous).tenant_for(None) == ANONYMOUS
 
 
 @pytest.mark.parametrize(
@@ -89,6 +85,7 @@ def test_tenant_salt_options():
         {"cache_salt": "a/b"},
         {"cache_salt": ""},
         {"cache_salt": "x" * 97},
+        {"cache_salt": "shared"},
     ],
 )
 def test_bad_tenant_salts_are_refused(tenant):

@@ -574,11 +574,100 @@ async def test_redis_racing_replicas_take_one_branch_once(
         await b.aclose()
 
 
-async def test_memory_tenant_quota_evicts_only_that_tenant(anyio_backend: str) -> None:
-    store = MemoryStore(max_entries=100, max_entries_per_tenant=5, clock=FakeClock())
+@dataclass
+class Quota:
+    store: HandleStore
+    evictions: list[tuple[str, str]]
+    advance: Callable[[float], Awaitable[None]]
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def quota(request: pytest.FixtureRequest, anyio_backend: str) -> AsyncIterator[Quota]:
+    """A store of 100 handles, at most 5 per tenant, one per conversation, its evictions
+    recorded."""
+    evictions: list[tuple[str, str]] = []
+
+    def on_evict(tenant: str, bound: str) -> None:
+        evictions.append((tenant, bound))
+
+    store: HandleStore
+    if request.param == "memory":
+        clock = FakeClock()
+        store = MemoryStore(
+            max_entries=100,
+            max_entries_per_tenant=5,
+            per_conversation=1,
+            on_evict=on_evict,
+            clock=clock,
+        )
+
+        async def advance(s: float) -> None:
+            clock.now += s
+
+    else:
+        store = RedisStore(
+            request.getfixturevalue("redis_url"),
+            prefix=f"test-{uuid.uuid4().hex}:",
+            per_conversation=1,
+            max_entries_per_tenant=5,
+            on_evict=on_evict,
+        )
+
+        async def advance(s: float) -> None:
+            await asyncio.sleep(s)
+
+    try:
+        yield Quota(store, evictions, advance)
+    finally:
+        await store.aclose()
+
+
+async def test_tenant_quota_evicts_only_that_tenant(quota: Quota) -> None:
+    store = quota.store
     await store.put(("victim", "c"), handle(99), TTL)
     evicted = []
     for i in range(25):
         evicted += await store.put(("noisy", f"c{i}"), handle(i), TTL)
-    assert len(evicted) == 20 and all(h.params["remote_request_id"] != "req-99" for h in evicted)
+    assert [h.params["remote_request_id"] for h in evicted] == [f"req-{i}" for i in range(20)]
+    assert quota.evictions == [("noisy", "tenant")] * 20
     assert await store.take(("victim", "c")) is not None
+    assert await store.take(("noisy", "c19")) is None
+    assert await store.take(("noisy", "c20")) is not None
+    assert await store.size() == 4
+
+
+async def test_taken_and_dropped_handles_leave_the_tenants_count(quota: Quota) -> None:
+    store = quota.store
+    for i in range(5):
+        await store.put(("t", f"c{i}"), handle(i), TTL)
+    for i in range(3):
+        assert await store.take(("t", f"c{i}")) is not None
+    assert await store.drop_decode(handle().decode_url) == 2
+    for i in range(5, 10):  # five more fit: nothing taken or dropped still counts
+        assert await store.put(("t", f"c{i}"), handle(i), TTL) == []
+    assert quota.evictions == []
+    assert len(await store.put(("t", "c10"), handle(10), TTL)) == 1
+
+
+async def test_expired_handles_leave_the_tenants_count(quota: Quota) -> None:
+    store = quota.store
+    for i in range(5):
+        await store.put(("t", f"c{i}"), handle(i), SHORT_TTL)
+    await quota.advance(PAST_SHORT_TTL)
+    for i in range(5, 10):
+        assert await store.put(("t", f"c{i}"), handle(i), TTL) == []
+    assert quota.evictions == []
+
+
+async def test_redis_tenant_set_layout(redis_url: str, anyio_backend: str) -> None:
+    store = RedisStore(redis_url, prefix=f"q-{uuid.uuid4().hex}:", max_entries_per_tenant=2)
+    try:
+        await store.put(("ten:ant", "c"), handle(1), 30.0)
+        tenant_key = store.tenant_key("ten:ant")
+        assert tenant_key == f"{store.prefix}t:ten%3Aant"
+        members = await store.client.zrange(tenant_key, 0, -1)
+        assert members == [store.key(("ten:ant", "c"), handle(1).id).encode()]
+        assert 0 < await store.client.pttl(tenant_key) <= 30_000
+        assert await store.size() == 1  # the tenant set is not a handle
+    finally:
+        await store.aclose()

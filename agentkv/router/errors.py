@@ -1,0 +1,18 @@
+"""The error a request gets when the router answers it itself (OpenAI's error shape)."""
+
+from __future__ import annotations
+
+__all__ = ["RouterError"]
+
+
+class RouterError(Exception):
+    """A request the router answers itself, in OpenAI's error shape.
+
+    ``close``: the request body was not read to its end, so the connection is closed after the
+    answer (``Connection: close``) instead of reading the rest."""
+
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, close: bool = False
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.close = status, message, param, close
