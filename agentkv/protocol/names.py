@@ -159,3 +159,4 @@ class RouterMetric:
     FIRST_BYTE_SECONDS: Final = "agentkv_router_first_byte_seconds"
     STORE_HANDLES: Final = "agentkv_router_store_handles"
     ENGINE_HEALTHY: Final = "agentkv_router_engine_healthy"
+    KV_INDEX_IN_SYNC: Final = "agentkv_router_kv_index_in_sync"

@@ -98,6 +98,13 @@ class RouterMetrics:
     )
     store_size = Family(Gauge, R.STORE_HANDLES, "Handles held in the store.")
     healthy = Family(Gauge, R.ENGINE_HEALTHY, "1 when the engine is in rotation.", ("role", "url"))
+    kv_index_in_sync = Family(
+        Gauge,
+        R.KV_INDEX_IN_SYNC,
+        "1 when the index of P's prefix cache (its KV events) is in sync with P, so receipts "
+        "state L; 0: L unknown, receipts say estimated.",
+        ("url",),
+    )
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
