@@ -183,3 +183,4 @@ class RouterMetric:
     ENGINE_RESTARTS: Final = "agentkv_router_engine_restarts"
     HANDLES_DROPPED: Final = "agentkv_router_handles_dropped"
     CONVERSATION_SOURCES: Final = "agentkv_router_conversation_sources"
+    KV_INDEX_IN_SYNC: Final = "agentkv_router_kv_index_in_sync"

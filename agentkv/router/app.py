@@ -223,6 +223,8 @@ def create_app(
             metrics.store_size.set(size)
         for e in pool.all:
             metrics.healthy.labels(e.role, e.url).set(1 if e.ready else 0)
+        for url, index in indexes.items():
+            metrics.kv_index_in_sync.labels(url).set(1 if index.in_sync else 0)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def metrics_route(request: Request) -> Response:

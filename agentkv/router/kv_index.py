@@ -23,10 +23,17 @@ a block stored under one salt never counts as L for another. Roots whose salt ca
 the deployment uses no salts (``missing_salt="unsalted"``). Blocks whose hash depends on more
 than tokens and salt (multimodal inputs, prompt embeddings, lookahead tokens) never count.
 
-**Events are an accelerator, never a correctness input.** A lost ``BlockStored`` makes L too
-small; a lost ``BlockRemoved`` makes it too large until the block is stored again, the cache is
-cleared, or the entry ages out (``max_blocks``). Either way the router only mis-estimates what
-P computes itself: every read of D's KV is still verified by token ids.
+**In sync, or no answer.** A receipt that claims L must not rest on a partial view, so the
+index answers only while it is *in sync*: it has applied every batch the engine published since
+a point where the engine's cache was known (its first batch, sequence 0; an
+``AllBlocksCleared``; or an empty replay buffer, which means the engine has published nothing
+since it started), with no gap it could not fill, and without losing the connection to that
+engine since. Otherwise :meth:`PrefixIndex.local_prefix_tokens` returns None (L unknown: the
+receipt says estimated). :class:`KVEventSubscriber` keeps that state; see its docstring for the
+transitions and for who may publish.
+
+Within sync, events are still asynchronous: an event P has not sent yet misstates L for a
+moment, never a read (every read of D's KV is verified by token ids).
 """
 
 from __future__ import annotations
@@ -112,6 +119,8 @@ class PrefixIndex:
         missing_salt: roots without ``extra_keys``: ``never`` count (default) or count as
             unsalted (only where no request carries a ``cache_salt``).
         max_orphans: stored events kept while waiting for their parent (late or reordered).
+        in_sync: whether the index starts knowing everything the engine holds (an index fed by
+            a :class:`KVEventSubscriber` starts out of sync: the subscriber decides).
     """
 
     def __init__(
@@ -121,9 +130,13 @@ class PrefixIndex:
         max_blocks: int | None = None,
         missing_salt: Literal["never", "unsalted"] = "never",
         max_orphans: int = 1024,
+        in_sync: bool = False,
     ) -> None:
         if block_size < 1:
             raise ValueError("block_size must be positive")
+        self.in_sync = in_sync
+        """True while the index holds everything the engine does (up to events in flight);
+        while False every lookup answers None (unknown)."""
         self.block_size = block_size
         self.max_blocks = max_blocks
         self.missing_salt = missing_salt
@@ -147,9 +160,12 @@ class PrefixIndex:
         cache_salt: str | None = None,
         *,
         lora_name: str | None = None,
-    ) -> int:
+    ) -> int | None:
         """Leading tokens of ``prompt_ids`` the engine holds (block-aligned, at most
-        ``(len - 1) // block_size`` blocks, like vLLM's prefix-cache lookup)."""
+        ``(len - 1) // block_size`` blocks, like vLLM's prefix-cache lookup); None while the
+        index is not in sync (unknown)."""
+        if not self.in_sync:
+            return None
         bs = self.block_size
         cap = (len(prompt_ids) - 1) // bs
         if cap <= 0 or not self._blocks:
@@ -181,9 +197,11 @@ class PrefixIndex:
         cache_salt: str | None = None,
         *,
         lora_name: str | None = None,
-    ) -> int:
+    ) -> int | None:
         """:meth:`local_prefix_tokens` from the prompt's :func:`~agentkv.router.verify.chain_hashes`
         (hex) when the router has them already; ``num_tokens`` is the prompt's length."""
+        if not self.in_sync:
+            return None
         cap = min(len(hashes), (num_tokens - 1) // self.block_size)
         ns = _namespace(cache_salt, lora_name)
         hit = 0
@@ -357,7 +375,20 @@ class SubscriberStats:
     restarts: int = 0
     """The engine's sequence started again (a new engine: the index was cleared)."""
     decode_errors: int = 0
+    foreign_batches: int = 0
+    """Batches of another data-parallel rank (another engine's stream): never applied."""
+    unattributed_batches: int = 0
+    """Live batches received while more or fewer than one publisher was connected to a bound
+    subscriber (whose they were cannot be known): never applied."""
+    connects: int = 0
+    disconnects: int = 0
+    syncs: int = 0
+    """Times the index became in sync."""
+    desyncs: int = 0
+    """Times it stopped being in sync."""
     last_seq: int | None = None
+    sync_state: str = "not started"
+    """Why the index is, or is not, in sync (for logs and tests)."""
 
 
 _ENDPOINT = re.compile(r"^tcp://(?P<host>\[[^\]]*\]|[^:/]*):(?P<port>\d+)$")
@@ -378,8 +409,48 @@ def subscriber_endpoint(endpoint: str, host: str) -> tuple[str, bool]:
     return f"tcp://{address}:{m.group('port')}", False
 
 
+_REPLAY_INTERVAL_S = 0.05
+_CONNECT_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+_BIND_EVENTS = (
+    zmq.EVENT_ACCEPTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+)
+
+
 class KVEventSubscriber:
-    """Receives one engine's KV events and applies them to ``index``.
+    """Receives one engine's KV events, applies them to ``index`` and keeps ``index.in_sync``.
+
+    **When the index is in sync.** It starts out of sync: a router that starts (or restarts)
+    next to a running engine does not know what the engine already holds. It becomes in sync
+    when it sees the engine's cache state known, with every batch since applied:
+
+    * the engine's first batch (sequence 0, from the live stream or a replay): the engine's
+      cache was empty before it (the index is cleared and the batch applied);
+    * an ``AllBlocksCleared`` (vLLM sends it only after a successful prefix-cache reset);
+    * an empty answer to a replay from sequence 0: vLLM's buffer is only ever appended to, so
+      an engine whose buffer is empty has published nothing since it started.
+
+    It stays in sync while batches come one sequence number after the other (a gap is first
+    filled from the replay socket). It is cleared and goes out of sync on a gap nothing fills,
+    on a sequence number that goes back (a new engine), on losing the connection to the engine
+    (ZMQ heartbeats find a silent peer within ``heartbeat_s`` × 5), and, for a bound
+    subscriber, on any publisher connecting or disconnecting. After each connection change and
+    at start (``bootstrap``) it asks the replay socket, when there is one, for everything from
+    sequence 0: an engine whose buffer still starts at 0 is in sync again at once. Without a
+    replay endpoint a router started next to an engine that already published stays out of
+    sync until the engine restarts or its prefix cache is reset (receipts say estimated).
+
+    **Who may publish.** When the engine binds (wildcard, ``ipc://``: vLLM's default
+    ``tcp://*:5557``) the subscriber connects to the engine's address, and what arrives on that
+    connection (and on the replay socket, which the engine always binds) comes from the
+    engine. When the engine connects (a plain ``tcp://HOST:PORT``) the subscriber binds, and
+    any process that can reach the port can connect and publish. A bound subscriber therefore
+    counts the publishers connected to it and applies a live batch only while exactly one is;
+    otherwise it fetches the batches from the engine's replay socket instead, or, without one,
+    goes out of sync. What is left: a process that connects while the engine's own publisher
+    is not connected (the engine down, or the router just started and the engine not yet
+    reconnected) is taken for the engine until the engine connects. Prefer engines that bind
+    (a bound subscriber says so in its log at start). Batches of another data-parallel rank are
+    never applied.
 
     Args:
         endpoint: the engine's ``KVEventsConfig.endpoint`` (not the subscriber's): a wildcard
@@ -387,16 +458,16 @@ class KVEventSubscriber:
         topic: the engine's ``KVEventsConfig.topic``.
         index: where the events go.
         replay_endpoint: the engine's ``replay_endpoint`` (connected at ``host``); when set,
-            sequence gaps are filled from it, and with ``bootstrap`` the index starts from the
-            engine's buffered history.
+            sequence gaps are filled from it, and the index is rebuilt from the engine's buffer
+            at start (``bootstrap``) and after each connection change.
         host: the engine's address, for wildcard endpoints.
-        on_gap: an unrecoverable gap ``keep``\\ s the index as it is (default), or ``clear``\\ s
-            it (L then only understates).
         replay_timeout_s: how long to wait for a replay.
         hwm: the SUB socket's receive high-water mark.
         bind: override bind-or-connect. Needed for a config read back from
             ``GET /kv_event_sources`` of an engine started with ``tcp://*:0``: vLLM reports the
             address it bound (no wildcard left), so pass ``bind=False``.
+        data_parallel_rank: the engine's rank (vLLM stamps it on each batch).
+        heartbeat_s: ZMTP heartbeat interval (a peer silent for 5 intervals is disconnected).
     """
 
     def __init__(
@@ -407,26 +478,33 @@ class KVEventSubscriber:
         *,
         replay_endpoint: str | None = None,
         host: str = "127.0.0.1",
-        on_gap: Literal["keep", "clear"] = "keep",
         bootstrap: bool = True,
         replay_timeout_s: float = 1.0,
         hwm: int = 100_000,
         bind: bool | None = None,
+        data_parallel_rank: int = 0,
+        heartbeat_s: float = 1.0,
     ) -> None:
         self.endpoint, self.replay_endpoint, self.host = endpoint, replay_endpoint, host
         self.topic, self.index, self.bind = topic, index, bind
-        self.on_gap = on_gap
         self.bootstrap = bootstrap
         self.replay_timeout_s = replay_timeout_s
         self.hwm = hwm
+        self.data_parallel_rank = data_parallel_rank
+        self.heartbeat_s = heartbeat_s
         self.stats = SubscriberStats()
         self._topic = topic.encode()
         self._ctx = zmq.asyncio.Context.instance()
         self._sub: zmq.asyncio.Socket | None = None
-        self._task: asyncio.Task[None] | None = None
         self._monitor: zmq.asyncio.Socket | None = None
-        self._subscriber_task: asyncio.Task[None] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._bound = False
+        self._peers: set[int] = set()
+        """Bound: the descriptors of the publishers connected now."""
+        self._next: int | None = None
+        """The sequence number that continues what was applied of the current stream."""
         self._live_last: int | None = None
+        self._last_replay = float("-inf")
         self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
         self._event_decoder = msgspec.msgpack.Decoder()
 
@@ -441,6 +519,10 @@ class KVEventSubscriber:
             host=host, **kw,
         )  # fmt: skip
 
+    @property
+    def in_sync(self) -> bool:
+        return self.index.in_sync
+
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
         """Open the SUB socket (bind or connect) and start receiving in the background."""
@@ -449,44 +531,45 @@ class KVEventSubscriber:
         address, bind = subscriber_endpoint(self.endpoint, self.host)
         if self.bind is not None:
             bind = self.bind
+        self._desync("started: what the engine holds already is unknown", new_stream=True)
         # A bound SUB socket was seen never to send its subscription to a PUB that connects
         # to it (libzmq 4.3.5, pyzmq 27.3, TCP and IPC alike), so a bound subscriber is an XSUB
         # that sends the subscription itself to every publisher that connects.
         sub = self._ctx.socket(zmq.XSUB if bind else zmq.SUB)
         sub.setsockopt(zmq.RCVHWM, self.hwm)
         sub.setsockopt(zmq.LINGER, 0)
+        ivl = max(1, int(self.heartbeat_s * 1000))
+        sub.setsockopt(zmq.HEARTBEAT_IVL, ivl)
+        sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5 * ivl)
         if address.startswith("tcp://["):
             sub.setsockopt(zmq.IPV6, 1)
+        monitor = sub.get_monitor_socket(_BIND_EVENTS if bind else _CONNECT_EVENTS)
         try:
             if bind:
-                self._monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
                 sub.bind(address)
             else:
                 sub.setsockopt(zmq.SUBSCRIBE, self._topic)
                 sub.connect(address)
         except zmq.ZMQError:  # e.g. the address is in use: leave nothing open behind
-            if self._monitor is not None:
-                sub.disable_monitor()
-                self._monitor.close(linger=0)
-                self._monitor = None
+            sub.disable_monitor()
+            monitor.close(linger=0)
             sub.close(linger=0)
             raise
-        self._sub = sub
+        if bind:
+            _log.info(
+                "kv events %s: the engine connects and the router binds %s, so any process "
+                "that reaches it can publish; events are applied only while one publisher is "
+                "connected (prefer an engine endpoint that binds: tcp://*:PORT or ipc://)",
+                self.endpoint,
+                address,
+            )
+        self._sub, self._monitor, self._bound = sub, monitor, bind
         self._task = asyncio.create_task(self._run(), name=f"kv-events {self.endpoint}")
-        if self._monitor is not None:
-            self._subscriber_task = asyncio.create_task(self._subscribe_peers())
-
-    async def _subscribe_peers(self) -> None:
-        """Send the subscription to each publisher that connects to the bound XSUB socket."""
-        assert self._monitor is not None and self._sub is not None
-        while True:
-            await self._monitor.recv_multipart()
-            await self._sub.send(b"\x01" + self._topic)
 
     async def aclose(self) -> None:
         """Stop receiving and close the sockets."""
-        await cancel_and_wait((self._task, self._subscriber_task))
-        self._task = self._subscriber_task = None
+        await cancel_and_wait((self._task,))
+        self._task = None
         if self._sub is not None:
             if self._monitor is not None:
                 self._sub.disable_monitor()
@@ -502,13 +585,62 @@ class KVEventSubscriber:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
+    # -- the sync state ----------------------------------------------------------------------
+    def _desync(self, reason: str, *, new_stream: bool) -> None:
+        """Out of sync, and empty: what the engine holds is unknown from here."""
+        if self.index.in_sync:
+            self.stats.desyncs += 1
+            _log.warning("kv events %s: index out of sync (%s)", self.endpoint, reason)
+        self.index.in_sync = False
+        self.index.clear()
+        self.stats.sync_state = f"out of sync: {reason}"
+        if new_stream:
+            self._next = self._live_last = None
+
+    def _synced(self, reason: str) -> None:
+        if not self.index.in_sync:
+            self.stats.syncs += 1
+            _log.info("kv events %s: index in sync (%s)", self.endpoint, reason)
+        self.index.in_sync = True
+        self.stats.sync_state = f"in sync: {reason}"
+
+    def _accept(self, seq: int, events: Sequence[Event]) -> None:
+        """Apply batch ``seq`` of the current stream (after any gap before it was tried)."""
+        if seq == 0:
+            self.index.clear()  # the engine's first batch: its cache was empty before it
+            self._synced("the engine's first batch")
+        elif self.index.in_sync and seq != self._next:
+            self._desync(f"batches before {seq} lost", new_stream=False)
+        self._next = seq + 1
+        self.stats.last_seq = seq
+        self.stats.batches += 1
+        for event in events:
+            self.stats.events += 1
+            self.index.apply(event)
+            if isinstance(event, AllBlocksCleared):
+                self._synced("the engine cleared its prefix cache")
+
+    async def _resync(self) -> None:
+        """Rebuild from the engine's replay buffer, when there is one and it is needed."""
+        if self.replay_endpoint is not None and not self.index.in_sync:
+            await self._replay(0)
+
     # -- receiving ---------------------------------------------------------------------------
     async def _run(self) -> None:
-        assert self._sub is not None
-        if self.replay_endpoint is not None and self.bootstrap:
-            await self._replay(0)
+        assert self._sub is not None and self._monitor is not None
+        if self.bootstrap:
+            await self._resync()
+        poller = zmq.asyncio.Poller()
+        poller.register(self._sub, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         while True:
             try:
+                await poller.poll()
+                # Connection events first: a publisher's connection is reported before any
+                # of its batches can be read, so each batch is judged by who was connected.
+                await self._on_monitor()
+                if not await self._sub.poll(0):
+                    continue
                 frames = await self._sub.recv_multipart()
             except zmq.ZMQError:
                 _log.exception("kv events %s: receive failed", self.endpoint)
@@ -520,65 +652,119 @@ class KVEventSubscriber:
                 self.stats.decode_errors += 1
                 _log.exception("kv events %s: bad message", self.endpoint)
 
+    async def _on_monitor(self) -> None:
+        """Apply the pending connection events (and resync after a change)."""
+        assert self._monitor is not None and self._sub is not None
+        changed = False
+        while await self._monitor.poll(0):
+            frames = await self._monitor.recv_multipart()
+            if len(frames) < 2 or len(frames[0]) != 6:
+                continue
+            event = int.from_bytes(frames[0][:2], "little")
+            value = int.from_bytes(frames[0][2:], "little")
+            if self._bound:
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    await self._sub.send(b"\x01" + self._topic)
+                elif event == zmq.EVENT_ACCEPTED:
+                    self._peers.add(value)
+                    self.stats.connects += 1
+                    self._desync("a publisher connected", new_stream=True)
+                    changed = True
+                elif value in self._peers:  # disconnected or closed
+                    self._peers.discard(value)
+                    self.stats.disconnects += 1
+                    self._desync("a publisher disconnected", new_stream=True)
+                    changed = True
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.stats.connects += 1
+                changed = True
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.stats.disconnects += 1
+                self._desync("the connection to the engine was lost", new_stream=True)
+        if changed:
+            await self._resync()
+
     async def _on_live(self, frames: list[bytes]) -> None:
         if len(frames) != 3 or frames[0] != self._topic or len(frames[1]) != 8:
             self.stats.decode_errors += 1
             return
         seq = int.from_bytes(frames[1], "big")
+        events = self._decode(frames[2])
+        if events is None:
+            return
+        if self._bound and len(self._peers) != 1:
+            # Whose batch this is cannot be known: never apply it. In sync, take the engine's
+            # own batches from its replay socket instead (at most one replay per
+            # _REPLAY_INTERVAL_S, so a flood of such batches cannot flood the engine).
+            self.stats.unattributed_batches += 1
+            if not self.index.in_sync or (self._next is not None and seq < self._next):
+                return
+            if self.replay_endpoint is None:
+                self._desync("several publishers are connected", new_stream=True)
+                return
+            loop = asyncio.get_running_loop()
+            wait = self._last_replay + _REPLAY_INTERVAL_S - loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            await self._replay(0 if self._next is None else self._next)
+            return
         live_last, self._live_last = self._live_last, seq
-        applied = self.stats.last_seq
         if live_last is not None and seq == live_last:
             self.stats.duplicates += 1
             return
         if live_last is not None and seq < live_last:
             # The live stream only goes forward: a new engine (its cache starts empty).
             self.stats.restarts += 1
-            self.index.clear()
-            self.stats.last_seq = applied = None
-            if seq > 0 and self.replay_endpoint is not None:
-                await self._replay(0)
-                applied = self.stats.last_seq
-        if applied is not None and seq <= applied:
+            self._desync("the engine's sequence started again", new_stream=True)
+            self._live_last = seq
+        nxt = self._next
+        if nxt is not None and seq < nxt:
             self.stats.duplicates += 1  # already applied from a replay
             return
-        if applied is not None and seq > applied + 1:
-            self.stats.gaps += 1
-            self.stats.missed_batches += seq - applied - 1
+        expected = 0 if nxt is None else nxt
+        if seq > expected:
+            if nxt is not None:
+                self.stats.gaps += 1
+                self.stats.missed_batches += seq - nxt
             if self.replay_endpoint is not None:
-                await self._replay(applied + 1)
-            now = self.stats.last_seq
-            if now is not None and seq <= now:
-                return  # the replay brought it
-            if now is not None and seq > now + 1:
+                await self._replay(expected)
+                if self._next is not None and seq < self._next:
+                    return  # the replay brought it
+            if self._next is not None and seq > self._next:
                 self.stats.unrecovered_gaps += 1
-                if self.on_gap == "clear":
-                    self.index.clear()
-        self._apply(seq, frames[2])
+        self._accept(seq, events)
 
-    def _apply(self, seq: int, payload: bytes) -> None:
-        self.stats.last_seq = seq
-        self.stats.batches += 1
-        for event in self._decode(payload):
-            self.stats.events += 1
-            self.index.apply(event)
-
-    def _decode(self, payload: bytes) -> list[Event]:
+    def _decode(self, payload: bytes) -> list[Event] | None:
+        """The batch's events, or None when it is not this engine's (another DP rank) or not a
+        batch at all."""
         try:
-            return list(self._decoder.decode(payload).events)
+            batch = self._decoder.decode(payload)
+            events, rank = list(batch.events), batch.data_parallel_rank
         except msgspec.DecodeError:
-            pass
-        # Not 0.33's exact shape (a newer vLLM?): take the events we know, skip the rest.
+            try:
+                events, rank = self._decode_loosely(payload)
+            except msgspec.DecodeError:
+                self.stats.decode_errors += 1
+                return None
+        if rank is not None and rank != self.data_parallel_rank:
+            self.stats.foreign_batches += 1
+            return None
+        return events
+
+    def _decode_loosely(self, payload: bytes) -> tuple[list[Event], int | None]:
+        """Not 0.33's exact shape (a newer vLLM?): take the events we know, skip the rest."""
         raw = self._event_decoder.decode(payload)
         if not isinstance(raw, list) or len(raw) < 2 or not isinstance(raw[1], list):
             self.stats.decode_errors += 1
-            return []
+            return [], None
+        rank = raw[2] if len(raw) > 2 and isinstance(raw[2], int) else None
         out: list[Event] = []
         for item in raw[1]:
             try:
                 out.append(msgspec.convert(item, _ANY_EVENT))
             except msgspec.ValidationError:
                 self.stats.decode_errors += 1
-        return out
+        return out, rank
 
     async def _replay(self, start_seq: int) -> None:
         """Ask the replay socket for batches from ``start_seq`` on and apply the new ones."""
@@ -586,6 +772,10 @@ class KVEventSubscriber:
         address, _ = subscriber_endpoint(self.replay_endpoint, self.host)
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        if address.startswith("tcp://["):
+            sock.setsockopt(zmq.IPV6, 1)
+        buffered = 0
+        self._last_replay = asyncio.get_running_loop().time()
         try:
             sock.connect(address)
             await sock.send_multipart([b"", start_seq.to_bytes(8, "big")])
@@ -602,18 +792,31 @@ class KVEventSubscriber:
                     continue
                 _, topic, seq_bytes, payload = frames
                 if seq_bytes == END_SEQ:
-                    return
-                seq = int.from_bytes(seq_bytes, "big")
-                applied = self.stats.last_seq
-                if topic != self._topic or (applied is not None and seq <= applied):
+                    break
+                if topic != self._topic:
                     continue
-                if applied is not None and seq > applied + 1:
+                buffered += 1
+                seq = int.from_bytes(seq_bytes, "big")
+                if self._next is not None and seq < self._next:
+                    continue
+                events = self._decode(payload)
+                if events is None:
+                    continue
+                if self._next is not None and seq > self._next:
                     self.stats.unrecovered_gaps += 1  # older batches left the buffer
-                    if self.on_gap == "clear":
-                        self.index.clear()
                 self.stats.replayed_batches += 1
-                self._apply(seq, payload)
+                self._accept(seq, events)
         except zmq.ZMQError:
             _log.exception("kv events %s: replay failed", self.endpoint)
+            return
         finally:
             sock.close(linger=0)
+        if start_seq == 0 and buffered == 0:
+            # vLLM's buffer is only appended to: an empty one means nothing was published since
+            # the engine started, so its cache is empty (batches applied before came from an
+            # earlier engine).
+            if self._next is not None:
+                self._desync("the engine's buffer is empty: a new engine", new_stream=True)
+            self.index.clear()
+            self._next = 0
+            self._synced("the engine has published nothing yet")

@@ -128,6 +128,13 @@ class RouterMetrics:
         "engine behind the URL is no longer the one that issued them), by reason.",
         ("reason",),
     )
+    kv_index_in_sync = Family(
+        Gauge,
+        R.KV_INDEX_IN_SYNC,
+        "1 when the index of P's prefix cache (its KV events) is in sync with P, so receipts "
+        "state L; 0: L unknown, receipts say estimated.",
+        ("url",),
+    )
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)

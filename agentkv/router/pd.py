@@ -71,9 +71,12 @@ class UpstreamError(Exception):
 
 
 class LocalPrefix(Protocol):
-    """What P holds in its own prefix cache (an index fed by P's KV events)."""
+    """What P holds in its own prefix cache (an index fed by P's KV events; None: unknown, the
+    index is not in sync with P)."""
 
-    def local_prefix_tokens(self, prompt_ids: Sequence[int], cache_salt: str | None) -> int: ...
+    def local_prefix_tokens(
+        self, prompt_ids: Sequence[int], cache_salt: str | None
+    ) -> int | None: ...
 
 
 @dataclass
@@ -306,9 +309,9 @@ class Router:
             return preferred, None
         bs = self.config.block_size
 
-        def local(e: Upstream) -> int:
-            index = self.local_prefix[e.url]
-            return _cap_local(index.local_prefix_tokens(ids, req.cache_salt), len(ids), bs)
+        def local(e: Upstream) -> int | None:
+            held = self.local_prefix[e.url].local_prefix_tokens(ids, req.cache_salt)
+            return None if held is None else _cap_local(held, len(ids), bs)
 
         best, best_local = preferred, local(preferred)
         able = [
@@ -321,7 +324,7 @@ class Router:
         ]
         for e in able:
             n = local(e)
-            if n > best_local:
+            if n is not None and n > (best_local or 0):
                 best, best_local = e, n
         return best, best_local
 

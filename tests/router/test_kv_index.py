@@ -70,7 +70,7 @@ IDS = list(range(1000, 1000 + 5 * BS))  # five blocks
 
 
 def test_lookup_is_block_aligned_and_capped() -> None:
-    index = PrefixIndex(BS)
+    index = PrefixIndex(BS, in_sync=True)
     index.apply(stored([1, 2, 3], IDS[: 3 * BS]))
     assert index.local_prefix_tokens(IDS) == 3 * BS
     assert index.local_prefix_tokens(IDS[: 3 * BS + 1]) == 3 * BS
@@ -85,7 +85,7 @@ def test_lookup_is_block_aligned_and_capped() -> None:
 
 
 def test_children_chain_through_parents_and_orphans_wait() -> None:
-    index = PrefixIndex(BS)
+    index = PrefixIndex(BS, in_sync=True)
     index.apply(stored([3], IDS[2 * BS : 3 * BS], parent=2))  # arrives before its parent
     assert index.local_prefix_tokens(IDS) == 0
     index.apply(stored([1], IDS[:BS]))
@@ -94,7 +94,7 @@ def test_children_chain_through_parents_and_orphans_wait() -> None:
 
 
 def test_salts_never_mix() -> None:
-    index = PrefixIndex(BS)
+    index = PrefixIndex(BS, in_sync=True)
     index.apply(stored([11, 12], IDS[: 2 * BS], salt="a"))
     assert index.local_prefix_tokens(IDS, "a") == 2 * BS
     assert index.local_prefix_tokens(IDS) == 0
@@ -110,28 +110,28 @@ def test_salts_never_mix() -> None:
 
 
 def test_missing_salt_and_uncountable_blocks() -> None:
-    index = PrefixIndex(BS)
+    index = PrefixIndex(BS, in_sync=True)
     index.apply(stored([1, 2], IDS[: 2 * BS], extra=None))  # no extra_keys: salt unknown
     assert index.local_prefix_tokens(IDS) == 0
     assert index.local_prefix_tokens(IDS, "x") == 0
-    trusting = PrefixIndex(BS, missing_salt="unsalted")
+    trusting = PrefixIndex(BS, missing_salt="unsalted", in_sync=True)
     trusting.apply(stored([1, 2], IDS[: 2 * BS], extra=None))
     assert trusting.local_prefix_tokens(IDS) == 2 * BS
     assert trusting.local_prefix_tokens(IDS, "x") == 0
     # A multimodal block (an (mm_identifier, offset) pair): tokens do not decide its KV.
-    mm = PrefixIndex(BS)
+    mm = PrefixIndex(BS, in_sync=True)
     mm.apply(stored([1, 2, 3], IDS[: 3 * BS], extra=[None, (("img", 0),), None]))
     assert mm.local_prefix_tokens(IDS) == BS
     assert mm.stats.uncountable_blocks == 2
     # LoRA: its own namespace.
-    lora = PrefixIndex(BS)
+    lora = PrefixIndex(BS, in_sync=True)
     lora.apply(stored([1], IDS[:BS], extra=[("ad1",)], lora_name="ad1", lora_id=1))
     assert lora.local_prefix_tokens(IDS) == 0
     assert lora.local_prefix_tokens(IDS, lora_name="ad1") == BS
 
 
 def test_removal_clear_and_foreign_events() -> None:
-    index = PrefixIndex(BS)
+    index = PrefixIndex(BS, in_sync=True)
     index.apply(stored([1, 2, 3, 4], IDS[: 4 * BS]))
     index.apply(removed(3, medium="CPU"))  # another tier: not P's device cache
     assert index.local_prefix_tokens(IDS) == 4 * BS
@@ -148,7 +148,7 @@ def test_removal_clear_and_foreign_events() -> None:
 
 
 def test_max_blocks_ages_out_oldest() -> None:
-    index = PrefixIndex(BS, max_blocks=3)
+    index = PrefixIndex(BS, max_blocks=3, in_sync=True)
     index.apply(stored([1, 2, 3, 4], IDS[: 4 * BS]))
     assert index.stats.evicted_blocks == 1
     assert index.local_prefix_tokens(IDS) == 0  # block 1 is gone, so nothing after it counts
@@ -164,7 +164,7 @@ def test_subscriber_endpoint_semantics() -> None:
     assert subscriber_endpoint("ipc:///tmp/kv", "h") == ("ipc:///tmp/kv", False)
 
 
-# -- the subscriber, on real sockets ---------------------------------------------------------
+# -- the subscriber, on real sockets: the sync state ----------------------------------------
 
 
 async def _until(predicate: Any, timeout_s: float = 5.0) -> None:
@@ -174,63 +174,127 @@ async def _until(predicate: Any, timeout_s: float = 5.0) -> None:
         await asyncio.sleep(0.02)
 
 
-def _payload(*events: Any) -> bytes:
+def _payload(*events: Any, rank: int | None = None) -> bytes:
     import msgspec
 
-    return msgspec.msgpack.encode(KVEventBatch(ts=time.time(), events=list(events)))
+    return msgspec.msgpack.encode(
+        KVEventBatch(ts=time.time(), events=list(events), data_parallel_rank=rank)
+    )
 
 
-async def test_gaps_duplicates_and_restarts() -> None:
-    """A raw PUB that binds (``tcp://*:PORT`` in vLLM's terms) and sends chosen sequence
-    numbers."""
-    ctx = zmq.Context()
-    pub = ctx.socket(zmq.PUB)
-    pub.setsockopt(zmq.LINGER, 0)
-    port = pub.bind_to_random_port("tcp://127.0.0.1")
+class RawPub:
+    """A PUB socket that sends chosen sequence numbers (an engine, or a foreign process)."""
+
+    def __init__(self, ctx: zmq.Context[Any], *, bind_port: int | None = None) -> None:
+        self.sock = ctx.socket(zmq.PUB)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        if bind_port is not None:
+            self.sock.bind(f"tcp://127.0.0.1:{bind_port}")
+
+    def send(self, seq: int, *events: Any, rank: int | None = None, topic: bytes = b"kv") -> None:
+        self.sock.send_multipart([topic, seq.to_bytes(8, "big"), _payload(*events, rank=rank)])
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+async def test_sync_from_the_engines_first_batch_lost_by_gaps_and_restarts() -> None:
+    """No replay socket: the index answers only from the engine's first batch on, stops at a
+    gap, is back after an ``AllBlocksCleared``, and starts again from a new engine's sequence
+    0. The engine binds (``tcp://*:PORT``): the subscriber connects."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    port = free_port()
+    pub = RawPub(ctx, bind_port=port)
     index = PrefixIndex(BS)
     sub = KVEventSubscriber(f"tcp://*:{port}", "kv", index, host="127.0.0.1")
-
-    def send(seq: int, *events: Any) -> None:
-        pub.send_multipart([b"kv", seq.to_bytes(8, "big"), _payload(*events)])
-
     try:
         await sub.start()
-        # Slow joiner: send a harmless batch until the subscription is through.
+        assert index.local_prefix_tokens(IDS) is None  # what the engine holds: unknown
+        # Slow joiner: send a harmless batch 0 until the subscription is through.
         while sub.stats.batches == 0:
-            send(0, removed(999))
+            pub.send(0, removed(999))
             await asyncio.sleep(0.05)
-        await _until(lambda: sub.stats.last_seq == 0)
-        send(1, stored([1, 2], IDS[: 2 * BS]))
-        send(1, stored([1, 2], IDS[: 2 * BS]))  # a duplicate
-        send(3, stored([3], IDS[2 * BS : 3 * BS], parent=2))  # batch 2 lost
-        pub.send_multipart([b"other", b"x"])  # another topic: not subscribed
+        await _until(lambda: index.in_sync)
+        assert index.local_prefix_tokens(IDS) == 0  # known empty, not unknown
+        pub.send(1, stored([1, 2], IDS[: 2 * BS]))
+        pub.send(1, stored([1, 2], IDS[: 2 * BS]))  # a duplicate
+        pub.send(2, stored([5], IDS[:BS]), rank=1)  # another DP rank's batch: not ours
+        pub.sock.send_multipart([b"other", b"x"])  # another topic: not subscribed
+        await _until(lambda: sub.stats.foreign_batches == 1)
+        assert index.local_prefix_tokens(IDS) == 2 * BS
+        pub.send(3, stored([3], IDS[2 * BS : 3 * BS], parent=2))  # batch 2 lost
         await _until(lambda: sub.stats.last_seq == 3)
         assert (sub.stats.gaps, sub.stats.missed_batches, sub.stats.unrecovered_gaps) == (1, 1, 1)
         assert sub.stats.duplicates >= 1
-        assert index.local_prefix_tokens(IDS) == 3 * BS
-        send(0, stored([7], IDS[:BS]))  # a new engine: its sequence starts again
-        await _until(lambda: sub.stats.restarts == 1)
+        assert not index.in_sync and index.local_prefix_tokens(IDS) is None
+        pub.send(4, stored([1, 2], IDS[: 2 * BS]))  # contiguous again, but what was lost is lost
+        await _until(lambda: sub.stats.last_seq == 4)
+        assert index.local_prefix_tokens(IDS) is None
+        pub.send(5, AllBlocksCleared(), stored([1], IDS[:BS]))  # the engine's cache was reset
+        await _until(lambda: index.in_sync)
         assert index.local_prefix_tokens(IDS) == BS
-        pub.send_multipart([b"kv", (1).to_bytes(8, "big"), b"\xc1garbage"])
+        pub.send(0, stored([7, 8], IDS[: 2 * BS]))  # a new engine: its sequence starts again
+        await _until(lambda: sub.stats.restarts == 1)
+        assert index.in_sync and index.local_prefix_tokens(IDS) == 2 * BS
+        pub.sock.send_multipart([b"kv", (1).to_bytes(8, "big"), b"\xc1garbage"])
         await _until(lambda: sub.stats.decode_errors == 1)
-        send(2, removed(7))
-        await _until(lambda: index.local_prefix_tokens(IDS) == 0)
+        pub.send(2, removed(8))  # batch 1 was garbage: a gap
+        await _until(lambda: sub.stats.last_seq == 2)
+        assert index.local_prefix_tokens(IDS) is None
+        assert (sub.stats.syncs, sub.stats.desyncs) == (3, 3)
     finally:
         await sub.aclose()
-        pub.close(0)
+        pub.close()
         ctx.term()
 
 
-async def test_late_subscriber_bootstraps_and_fills_gaps_from_replay() -> None:
-    """The simulator's publisher (vLLM's replay protocol): a subscriber that starts late gets
-    the buffered history from the replay socket."""
-    port, replay = free_port(), free_port()
-    config = KVEventsConfig(
+async def test_losing_the_engine_clears_the_index() -> None:
+    """The engine's publisher goes away (a restart): the index is cleared and out of sync at
+    once, before the new engine sends anything; a later batch of the new engine that is not
+    its first does not bring it back."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    port = free_port()
+    pub = RawPub(ctx, bind_port=port)
+    index = PrefixIndex(BS)
+    sub = KVEventSubscriber(f"tcp://*:{port}", "kv", index, host="127.0.0.1", heartbeat_s=0.2)
+    try:
+        await sub.start()
+        while not index.in_sync:
+            pub.send(0, stored([1, 2], IDS[: 2 * BS]))
+            await asyncio.sleep(0.05)
+        assert index.local_prefix_tokens(IDS) == 2 * BS
+        pub.close()
+        await _until(lambda: sub.stats.disconnects == 1)
+        assert index.local_prefix_tokens(IDS) is None and len(index) == 0
+        pub = RawPub(ctx, bind_port=port)  # the engine again, on the same port
+        await _until(lambda: sub.stats.connects == 2)
+        for _ in range(5):  # whatever the join delay, none of these is a first batch
+            pub.send(7, stored([1, 2], IDS[: 2 * BS]))
+            await asyncio.sleep(0.05)
+        await _until(lambda: sub.stats.last_seq == 7)
+        assert index.local_prefix_tokens(IDS) is None
+    finally:
+        await sub.aclose()
+        pub.close()
+        ctx.term()
+
+
+def _replaying(buffer_steps: int = 10_000, **kw: Any) -> KVEventsConfig:
+    """vLLM's config with a replay socket, on free ports (the engine binds both)."""
+    return KVEventsConfig(
         enable_kv_cache_events=True,
-        endpoint=f"tcp://*:{port}",
-        replay_endpoint=f"tcp://*:{replay}",
+        endpoint=f"tcp://*:{free_port()}",
+        replay_endpoint=f"tcp://*:{free_port()}",
         topic="kv",
+        buffer_steps=buffer_steps,
+        **kw,
     )
+
+
+async def test_late_subscriber_bootstraps_and_fills_gaps_from_replay() -> None:
+    """The simulator's publisher (vLLM's replay protocol): a subscriber that starts late (a
+    router restart) gets the engine's whole history from the replay socket: in sync at once."""
+    config = _replaying()
     publisher = ZmqEventPublisher(config)
     index = PrefixIndex(BS)
     sub = KVEventSubscriber.from_config(config, index, host="127.0.0.1")
@@ -240,14 +304,125 @@ async def test_late_subscriber_bootstraps_and_fills_gaps_from_replay() -> None:
         await asyncio.sleep(0.2)  # sent before anyone listens: only the replay has them
         await sub.start()
         await _until(lambda: index.local_prefix_tokens(IDS) == 3 * BS)
-        assert sub.stats.replayed_batches == 2 and sub.stats.last_seq == 1
+        assert sub.stats.replayed_batches == 2 and sub.stats.last_seq == 1 and index.in_sync
         # Live events follow; a restart of the index from replay is not needed.
         await asyncio.sleep(0.3)
         publisher.publish([removed(3)])
         await _until(lambda: index.local_prefix_tokens(IDS) == 2 * BS)
+        assert index.in_sync
     finally:
         await sub.aclose()
         publisher.shutdown()
+
+
+async def test_an_empty_replay_buffer_proves_an_empty_cache() -> None:
+    """An engine that has published nothing holds nothing: L is 0 (not unknown) before its
+    first batch; a restarted engine on the same ports is the same case, after a disconnect."""
+    config = _replaying()
+    publisher = ZmqEventPublisher(config)
+    index = PrefixIndex(BS)
+    sub = KVEventSubscriber.from_config(config, index, host="127.0.0.1", heartbeat_s=0.2)
+    try:
+        await sub.start()
+        await _until(lambda: index.in_sync)
+        assert index.local_prefix_tokens(IDS) == 0
+        await _until(lambda: sub.stats.connects == 1)
+        await asyncio.sleep(0.2)
+        publisher.publish([stored([1, 2, 3], IDS[: 3 * BS])])
+        await _until(lambda: index.local_prefix_tokens(IDS) == 3 * BS)
+        publisher.shutdown()  # the engine restarts: its cache is gone
+        await _until(lambda: sub.stats.disconnects == 1)
+        assert index.local_prefix_tokens(IDS) is None
+        publisher = ZmqEventPublisher(config)
+        await _until(lambda: sub.stats.connects == 2)
+        await _until(lambda: index.in_sync)
+        assert index.local_prefix_tokens(IDS) == 0
+    finally:
+        await sub.aclose()
+        publisher.shutdown()
+
+
+async def test_a_wrapped_replay_buffer_is_not_a_history() -> None:
+    """The buffer lost the engine's first batches: what it holds from before is unknown, until
+    the engine's prefix cache is reset."""
+    config = _replaying(buffer_steps=2)
+    publisher = ZmqEventPublisher(config)
+    index = PrefixIndex(BS)
+    sub = KVEventSubscriber.from_config(config, index, host="127.0.0.1")
+    try:
+        publisher.publish([stored([1], IDS[:BS])])  # seq 0 leaves the buffer
+        publisher.publish([stored([2], IDS[BS : 2 * BS], parent=1)])
+        publisher.publish([stored([3], IDS[2 * BS : 3 * BS], parent=2)])
+        await asyncio.sleep(0.2)
+        await sub.start()
+        await _until(lambda: sub.stats.replayed_batches == 2)
+        assert not index.in_sync and index.local_prefix_tokens(IDS) is None
+        await asyncio.sleep(0.2)
+        publisher.publish([AllBlocksCleared()])
+        await _until(lambda: index.in_sync)
+        assert index.local_prefix_tokens(IDS) == 0
+    finally:
+        await sub.aclose()
+        publisher.shutdown()
+
+
+async def test_a_foreign_publisher_on_a_bound_subscriber_changes_nothing() -> None:
+    """The engine connects (a plain ``tcp://127.0.0.1:PORT``) so the subscriber binds, and a
+    foreign process connects too and publishes blocks the engine never stored. Without a replay
+    socket the index goes out of sync while two publishers are connected (and stays out: what
+    the engine sent meanwhile is unknown); with one it stays in sync with what the engine's own
+    replay socket says, and the foreign blocks never count."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    forged = list(range(7000, 7000 + 4 * BS))
+
+    async def scenario(replay: bool) -> tuple[PrefixIndex, KVEventSubscriber]:
+        endpoint = f"tcp://127.0.0.1:{free_port()}"
+        config = KVEventsConfig(
+            enable_kv_cache_events=True,
+            endpoint=endpoint,
+            replay_endpoint=f"tcp://*:{free_port()}" if replay else None,
+            topic="kv",
+        )
+        index = PrefixIndex(BS)
+        sub = KVEventSubscriber.from_config(config, index, host="127.0.0.1")
+        await sub.start()
+        publisher = ZmqEventPublisher(config)
+        foreign = RawPub(ctx)
+        try:
+            await _until(lambda: sub.stats.connects == 1)
+            await asyncio.sleep(0.2)  # the subscription reaches the engine
+            publisher.publish([stored([1, 2], IDS[: 2 * BS])])
+            await _until(lambda: index.local_prefix_tokens(IDS) == 2 * BS)
+            foreign.sock.connect(endpoint)
+            await _until(lambda: sub.stats.connects == 2)
+            await asyncio.sleep(0.2)
+            for seq in (1, 2, 0):
+                foreign.send(seq, stored([91, 92, 93], forged[: 3 * BS]))
+            publisher.publish([stored([3], IDS[2 * BS : 3 * BS], parent=2)])
+            await _until(lambda: sub.stats.unattributed_batches >= 4)
+            assert index.local_prefix_tokens(forged) in (None, 0)
+            if replay:
+                await _until(lambda: index.local_prefix_tokens(IDS) == 3 * BS)
+            foreign.close()
+            await _until(lambda: sub.stats.disconnects == 1)
+            await asyncio.sleep(0.2)
+            publisher.publish([stored([4], IDS[3 * BS : 4 * BS], parent=3)])
+            await _until(lambda: sub.stats.last_seq == 2)
+            assert index.local_prefix_tokens(forged) in (None, 0)
+            return index, sub
+        finally:
+            await sub.aclose()
+            publisher.shutdown()
+            foreign.close()
+
+    try:
+        index, sub = await scenario(replay=False)
+        assert index.local_prefix_tokens(IDS) is None and not index.in_sync
+        index, sub = await scenario(replay=True)
+        assert index.in_sync and index.local_prefix_tokens(IDS) == 4 * BS
+        assert sub.stats.replayed_batches >= 3
+    finally:
+        ctx.term()
 
 
 # -- end to end: a real simulator ------------------------------------------------------------
@@ -283,14 +458,18 @@ async def test_index_predicts_the_sims_local_hit() -> None:
                     return int(after[key] - before[key]), cached
 
                 history = list(range(500, 500 + 10 * BS + 3))
-                await _until(lambda: sub._monitor is not None)
-                # The sim connects at start-up and gets the subscription right away.
+                await _until(lambda: sub.stats.connects == 1)
+                # The sim connects at start-up and gets the subscription right away. No replay
+                # socket: what it holds is unknown until its first batch.
+                assert index.local_prefix_tokens(history) is None
                 assert await complete(history) == (0, 0)
                 for turn in range(1, 4):
                     nxt = [*history, *range(9000 + turn * 10, 9000 + turn * 10 + BS + 1)]
                     # Events are asynchronous: wait until the last turn's prompt blocks are in.
                     held = len(history) // BS * BS
-                    await _until(lambda nxt=nxt, held=held: index.local_prefix_tokens(nxt) >= held)
+                    await _until(
+                        lambda nxt=nxt, held=held: (index.local_prefix_tokens(nxt) or 0) >= held
+                    )
                     predicted = index.local_prefix_tokens(nxt)
                     local, cached = await complete(nxt)
                     assert predicted == local == cached > 0, (turn, predicted, local)
@@ -298,11 +477,12 @@ async def test_index_predicts_the_sims_local_hit() -> None:
                 # Another salt never counts, although the sim holds the same tokens.
                 assert index.local_prefix_tokens(history, "tenant-x") == 0
                 assert await complete(history, "tenant-x") == (0, 0)
-                await _until(lambda: index.local_prefix_tokens(history, "tenant-x") > 0)
+                await _until(lambda: (index.local_prefix_tokens(history, "tenant-x") or 0) > 0)
                 assert (await client.post("/reset_prefix_cache")).status_code == 200
                 await _until(lambda: index.stats.clears == 1)
                 assert index.local_prefix_tokens(history) == 0
                 assert sub.stats.gaps == 0 and sub.stats.decode_errors == 0
+                assert index.in_sync and sub.stats.desyncs == 0
     finally:
         await sub.aclose()
 
@@ -319,6 +499,9 @@ async def test_wildcard_port_zero_discovered_from_kv_event_sources() -> None:
             source = KVEventsConfig.model_validate(
                 (await client.get("/kv_event_sources")).json()["0"]
             )
+            held = list(range(100, 100 + 6 * BS))
+            r = await client.post("/v1/completions", json={"prompt": held, "max_tokens": 1})
+            assert r.status_code == 200
             index = PrefixIndex(BS)
             async with KVEventSubscriber.from_config(source, index, bind=False) as sub:
                 # A SUB that connects joins late (ZMQ slow joiner) and a cached prompt is not
@@ -330,4 +513,13 @@ async def test_wildcard_port_zero_discovered_from_kv_event_sources() -> None:
                     await asyncio.sleep(0.1)
                     if sub.stats.batches:
                         break
+                # Joined late without a replay socket: the sim holds ``held`` and the index
+                # cannot know it, so it does not answer (rather than answer 0).
+                assert sub.stats.last_seq and not index.in_sync
+                assert index.local_prefix_tokens([*held, 1]) is None
+                # A prefix-cache reset makes the sim's cache known again (empty).
+                assert (await client.post("/reset_prefix_cache")).status_code == 200
+                await _until(lambda: index.in_sync)
+                assert index.local_prefix_tokens([*held, 1]) == 0
+                r = await client.post("/v1/completions", json={"prompt": ids, "max_tokens": 1})
                 await _until(lambda: index.local_prefix_tokens([*ids, 1]) == 6 * BS)

@@ -95,9 +95,15 @@ def test_d_under_kv_pressure_releases_retained_blocks_instead_of_starving(tmp_pa
 
 def test_receipts_equal_what_p_read_with_its_prefix_cache_on(tmp_path):
     """P's prefix cache on (vLLM's default) and its KV events to the router: the reused tokens
-    the receipts claim add up to P's own external_kv_transfer counter."""
+    the receipts claim add up to P's own external_kv_transfer counter. With a replay socket the
+    router knows from the start that P holds nothing yet, so no receipt is an estimate."""
     port = free_port()
-    events = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}", "topic": "kv"}
+    events = {
+        "enable_kv_cache_events": True,
+        "endpoint": f"tcp://*:{port}",
+        "replay_endpoint": f"tcp://*:{free_port()}",
+        "topic": "kv",
+    }
     common = ["--time-scale", "0", "--block-size", "16"]
     sims = start_sims(
         [
@@ -122,7 +128,7 @@ def test_receipts_equal_what_p_read_with_its_prefix_cache_on(tmp_path):
             time.sleep(0.5)  # the subscriber connects
             agent_turns(conv, 10)
         after = s.metrics(s.prefill[0])
-        key = 'vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}'
+        key = "vllm:prompt_tokens_by_source_total[external_kv_transfer]"  # parse_metrics' key
         pulled = after.get(key, 0) - before.get(key, 0)
         claimed = sum(r.reused_tokens or 0 for r in conv.receipts)
         assert not any(r.estimated for r in conv.receipts)
