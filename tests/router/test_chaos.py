@@ -1,10 +1,13 @@
 """Property-based chaos test (issue 12): a hypothesis state machine over real processes.
 
-One simulator P, two simulator D's, an ``agentkv router`` and a real redis-server as its handle
-store, all on 127.0.0.1, started once for the module. Each example is a fresh set of
-conversations; its steps are client turns in exact mode, rewrites, salt changes, branches,
-dropped streams, forged handles, hostile bodies, fuzzed fields, engine faults, Redis drops and a
-D killed and restarted on its port. After every step:
+One simulator P (publishing vLLM's KV events, with a replay socket), two simulator D's, an
+``agentkv router`` with three tenants (two salted, one sharing the unsalted prefix cache) and a
+real redis-server as its handle store, all on 127.0.0.1, started once for the module. Each
+example is a fresh set of conversations; its steps are client turns in exact mode, rewrites,
+salt changes, branches, dropped streams, forged handles, hostile bodies, fuzzed fields, engine
+faults, Redis drops, a D and a P killed and restarted on their ports, the router restarted under
+live KV events, lease floods and a sharing tenant probing another tenant's prefix cache. After
+every step:
 
 * no wrong KV anywhere (the simulators' ``agentkv_sim_wrong_kv_tokens_total``);
 * once quiet, every handle is stored, released or expired: each request D retains for a next turn
@@ -16,7 +19,9 @@ Within steps: a hostile body gets a 4xx in OpenAI's error shape, never a 5xx, an
 conversation nothing; a valid turn is answered 200 (a turn that meets an injected engine fault
 may fail only when the fault outlasts every retry: P failing more often than the router tries
 it, see ``ALLOWED``); a receipt never claims more verified tokens than the conversation's
-histories share with the prompt (nothing under another salt); and a turn that follows a clean
+histories share with the prompt (nothing under another salt), and a receipt that states P's
+local prefix L states exactly what P did (L = P's prefix-cache hit, reused = what P read from D,
+from P's own counters); and a turn that follows a clean
 turn with nothing disruptive in between pulls all of it. At the end of an example every
 conversation's next valid turn is answered and closing them leaves no handle anywhere.
 
@@ -54,10 +59,10 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 from redis_support import _start, start_redis
-from stack import Stack, stack
+from stack import Stack, start_router
 
 from agentkv.protocol.promtext import parse_metrics
-from agentkv.sim.launch import SimProcess, start_sims
+from agentkv.sim.launch import SimProcess, free_port, start_sims
 
 pytestmark = pytest.mark.e2e
 
@@ -80,6 +85,17 @@ FORK_TEXTS = [f"Instead, plan task {i} from scratch." for i in range(4)]
 SALTS = [None, "salt-a", "salt-b"]
 DECISIONS = {"pull", "local", "recompute", "miss", "stale", "expired"}
 ERROR_KEYS = {"message", "type", "param", "code"}
+ADMIN = "sk-chaos-admin"
+TEAM_A_SALT = "team-a-salt"
+TENANTS = [
+    {"name": "team-a", "api_keys": ["sk-chaos-a"], "cache_salt": TEAM_A_SALT},
+    {"name": "team-b", "api_keys": ["sk-chaos-b"]},
+    {"name": "sharing", "api_keys": ["sk-chaos-s"], "share_prefix_cache": True},
+]
+KEYS = [t["api_keys"][0] for t in TENANTS]
+"""A conversation's tenant is drawn: team-a (a configured salt), team-b (derived), sharing."""
+LOCAL = "vllm:prompt_tokens_by_source_total[local_cache_hit]"
+EXTERNAL = "vllm:prompt_tokens_by_source_total[external_kv_transfer]"
 
 ALLOWED = {
     # (role, kind): the largest fault count a turn must survive. P is tried retries + 2 times
@@ -112,6 +128,11 @@ class Summary:
     dead_with_d: int = 0
     leaked_before_example: int = 0
     unreleasable_under_fault: int = 0
+    receipts_checked_against_p: int = 0
+    receipts_estimated: int = 0
+    lease_flood_ids: int = 0
+    lease_releases_seconds: list[float] = field(default_factory=list)
+    probes: int = 0
     seconds: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
@@ -145,6 +166,8 @@ class Chaos:
         self.trace: list[str] = []
         """This example's steps (shown when an invariant fails)."""
         self.t0 = time.monotonic()
+        self.p_argv: list[str] = []
+        self.router_config: dict[str, Any] = {}
 
     # redis
     def redis_up(self) -> bool:
@@ -207,11 +230,48 @@ class Chaos:
         return out
 
     def health(self) -> dict[str, Any]:
-        r = self.http.get(f"{self.s.router.url}/health", timeout=20)
+        r = self.http.get(f"{self.s.router.url}/health", timeout=20, headers=_auth(ADMIN))
         # 503 while an engine role is out of rotation (an injected fault ejected it)
         assert r.status_code in (200, 503), r.text
         body: dict[str, Any] = r.json()
         return body
+
+    def stored_of(self, conversation: str) -> int:
+        """How many handles the router holds for ``conversation`` (any tenant)."""
+        return sum(1 for _ in self.redis.scan_iter(match=f"agentkv:h:*:{conversation}:*"))
+
+    def p_counts(self) -> tuple[float, float]:
+        """P's own counters: prompt tokens from its prefix cache, and read from D."""
+        m = parse_metrics(self.http.get(f"{self.s.prefill[0].url}/metrics", timeout=20).text)
+        return m.get(LOCAL, 0.0), m.get(EXTERNAL, 0.0)
+
+    def restart_prefill(self) -> None:
+        old = self.s.prefill[0]
+        for _ in range(3):  # the port may be taken for a moment after the kill
+            try:
+                self.s.prefill[0] = start_sims([self.p_argv], ports=[old.port], timeout_s=90)[0]
+                break
+            except RuntimeError:
+                time.sleep(0.5)
+        else:
+            raise RuntimeError(f"prefill on port {old.port} did not restart")
+        self.wait_ready()
+
+    def restart_router(self) -> None:
+        for r in self.s.routers:
+            r.stop()
+        self.s.routers = [start_router(self.router_config, self.tmp)]
+        self.wait_ready()
+
+    def wait_ready(self, timeout_s: float = 30.0) -> None:
+        """Until the router has checked every engine (and so knows each D's engine id)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            h = self.health()
+            if all(h.get("prefill", {}).values()) and all(h.get("decode", {}).values()):
+                return
+            assert time.monotonic() < deadline, f"engines not ready: {h}"
+            time.sleep(0.1)
 
     def faults(self, sim: SimProcess, **knobs: Any) -> None:
         r = self.http.post(f"{sim.url}/_sim/faults", json=knobs, timeout=20)
@@ -275,16 +335,32 @@ def chaos(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chaos]:
     port = proc.port
     c: Chaos | None = None
     try:
+        events = {
+            "enable_kv_cache_events": True,
+            "endpoint": f"tcp://*:{free_port()}",
+            "replay_endpoint": f"tcp://*:{free_port()}",
+            "topic": "kv",
+        }
+        p_argv = ["--role", "prefill", *SIM_COMMON, "--kv-events-config", json.dumps(events)]
+        sims = start_sims([p_argv, *[["--role", "decode", *SIM_COMMON]] * 2])
+        s = Stack(sims[:1], sims[1:])
         router = {
+            "prefill": [{"url": s.prefill[0].url, "kv_events": events}],
+            "decode": [{"url": d.url} for d in s.decode],
+            "block_size": BS,
             "store": f"redis://127.0.0.1:{port}/0",
             "store_open_s": 0.5,
             "retries": RETRIES,
             "max_body_bytes": MAX_BODY,
             "decode_first_byte_timeout_s": 10.0,
             "prefill_deadline_s": 20.0,
+            "tenants": TENANTS,
+            "admin_api_keys": [ADMIN],
         }
-        with stack(tmp, d_args=((), ()), router=router, common=SIM_COMMON) as s:
+        try:
+            s.routers.append(start_router(router, tmp))
             c = Chaos(s, binary, tmp, port, proc)
+            c.p_argv, c.router_config = p_argv, router
             for text in USER_TEXTS + FORK_TEXTS:
                 # a user message as the template renders it after an answer (its last tokens)
                 c.snippets[text] = _tokenize(c.http, s, [{"role": "user", "content": text}])[-10:]
@@ -295,11 +371,14 @@ def chaos(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chaos]:
                 ]
                 c.bases.append(_tokenize(c.http, s, messages))
             c.tmp = tmp
+            c.wait_ready()
             try:
                 yield c
             finally:
                 c.http.close()
                 c.redis.close()
+        finally:
+            s.stop()
     finally:
         proc.stop(5)
         if c is not None:
@@ -307,11 +386,17 @@ def chaos(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chaos]:
 
 
 # -- the model -------------------------------------------------------------------------------------
+def _auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
 @dataclass
 class Branch:
     conv: str
     salt: str | None
     held: list[int]
+    key: str = KEYS[0]
+    """The API key of the conversation's tenant."""
     """Prompt + output of this branch's last answered turn."""
     epoch: int = 0
     clean_gen: int | None = None
@@ -499,7 +584,13 @@ class ChaosMachine(RuleBasedStateMachine):
         self.gen = 0
         """Disruption generation: bumped by faults, Redis drops and kills."""
         self.kills = 0
+        self.p_kills = 0
+        self.router_restarts = 0
         self.drops = 0
+        self.keys: dict[str, str] = {}
+        """conversation -> its tenant's API key."""
+        self.probes: list[list[int]] = []
+        """Prompts the sharing tenant sent under another tenant's salt."""
         self.ok = True
 
     # -- helpers -----------------------------------------------------------------------------
@@ -530,7 +621,7 @@ class ChaosMachine(RuleBasedStateMachine):
         return body
 
     def _headers(self, b: Branch) -> dict[str, str]:
-        return {"X-Conversation-Id": b.conv, "X-AgentKV-Epoch": str(b.epoch)}
+        return {"X-Conversation-Id": b.conv, "X-AgentKV-Epoch": str(b.epoch), **_auth(b.key)}
 
     def _bound(self, b: Branch, ids: list[int]) -> int:
         """The most tokens any handle of this conversation and salt can verify for ``ids``."""
@@ -541,6 +632,23 @@ class ChaosMachine(RuleBasedStateMachine):
             n = _common(ids, prompt)
             best = max(best, len(ids) if n == len(prompt) else n)
         return best
+
+    def _against_p(self, r: httpx.Response, before: tuple[float, float] | None) -> None:
+        """A receipt that states L states what P did (P's counters over the turn)."""
+        if before is None:
+            return
+        local = r.headers.get("x-agentkv-local-prefix-tokens")
+        if local is None:
+            self.c.summary.receipts_estimated += 1
+            return
+        after = self.c.p_counts()
+        p_local, p_read = after[0] - before[0], after[1] - before[1]
+        reused = int(r.headers["x-agentkv-reused-tokens"])
+        assert (int(local), reused) == (p_local, p_read), (
+            f"receipt L={local} reused={reused}, P hit {p_local} and read {p_read}: "
+            f"{dict(r.headers)}"
+        )
+        self.c.summary.receipts_checked_against_p += 1
 
     def _receipt(
         self, b: Branch, ids: list[int], r: httpx.Response, expect_pull: int | None
@@ -559,7 +667,10 @@ class ChaosMachine(RuleBasedStateMachine):
             assert reused > 0, r.headers
         assert r.headers.get("x-agentkv-sim-wrong-kv-tokens", "0") == "0", r.headers
         if expect_pull is not None:
-            assert decision == "pull", f"expected a pull of {expect_pull} tokens: {dict(r.headers)}"
+            # "local": P's own prefix cache (its KV events) covered all but a few tokens
+            assert decision in ("pull", "local"), (
+                f"expected a pull of {expect_pull} tokens: {dict(r.headers)}"
+            )
             assert verified >= expect_pull, f"pulled {verified} of {expect_pull}: {dict(r.headers)}"
 
     def _record(self, b: Branch, ids: list[int], out: list[int], *, clean: bool) -> None:
@@ -587,6 +698,7 @@ class ChaosMachine(RuleBasedStateMachine):
         if fault is not None:
             role, kind, n = fault
             allowed = n > ALLOWED[(role, kind)]
+        before = self.c.p_counts() if fault is None else None
         if not stream:
             r = self.c.http.post(url, json=body, headers=self._headers(b))
             if r.status_code != 200:
@@ -598,6 +710,7 @@ class ChaosMachine(RuleBasedStateMachine):
                 raise AssertionError(f"valid turn answered {r.status_code}: {r.text[:400]}")
             s.turns_200 += 1
             self._receipt(b, ids, r, expect_pull)
+            self._against_p(r, before)
             data = r.json()
             out = list(data["choices"][0]["token_ids"])
             # the prompt's ids are echoed only when the client did not send them
@@ -614,6 +727,7 @@ class ChaosMachine(RuleBasedStateMachine):
             s.turns_200 += 1
             self._receipt(b, ids, r, expect_pull)
             events = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+        self._against_p(r, before)
         assert events and events[-1] == "[DONE]", events[-3:]
         chunks = [orjson.loads(e) for e in events[:-1]]
         errors = [ch["error"] for ch in chunks if "error" in ch]
@@ -654,25 +768,31 @@ class ChaosMachine(RuleBasedStateMachine):
     @initialize(
         salts=st.lists(st.sampled_from(SALTS), min_size=2, max_size=2),
         max_tokens=st.integers(1, 24),
+        tenants=st.lists(st.integers(0, len(KEYS) - 1), min_size=2, max_size=2),
     )
-    def start(self, salts: list[str | None], max_tokens: int) -> None:
+    def start(self, salts: list[str | None], max_tokens: int, tenants: list[int]) -> None:
         """Two conversations, one on each system prompt, each with a first turn."""
         self._step("start", **_args(locals()))
         for base, salt in enumerate(salts):
-            self._new(base, salt)
+            self._new(base, salt, tenants[base])
             self._turn(self.branches[-1], self.c.bases[base], max_tokens=max_tokens)
         self._done()
 
-    def _new(self, base: int, salt: str | None) -> None:
+    def _new(self, base: int, salt: str | None, tenant: int = 0) -> None:
         conv = f"{self.prefix}-{len(self.convs)}"
         self.convs.append(conv)
-        self.branches.append(Branch(conv, salt, []))
+        self.keys[conv] = KEYS[tenant]
+        self.branches.append(Branch(conv, salt, [], KEYS[tenant]))
 
     @precondition(lambda self: len(self.convs) < 4)
-    @rule(base=st.integers(0, 1), salt=st.sampled_from(SALTS))
-    def new_conversation(self, base: int, salt: str | None) -> None:
+    @rule(
+        base=st.integers(0, 1),
+        salt=st.sampled_from(SALTS),
+        tenant=st.integers(0, len(KEYS) - 1),
+    )
+    def new_conversation(self, base: int, salt: str | None, tenant: int) -> None:
         self._step("new_conversation", **_args(locals()))
-        self._new(base, salt)
+        self._new(base, salt, tenant)
         self._done()
 
     @rule(pick=st.integers(0, 99), text=st.integers(0, 99), max_tokens=st.integers(1, 24))
@@ -739,7 +859,7 @@ class ChaosMachine(RuleBasedStateMachine):
         if not history:
             return self._done()
         start = history[max(0, len(history) - 1 - back)]
-        fork = Branch(b.conv, b.salt, start, b.epoch)
+        fork = Branch(b.conv, b.salt, start, b.key, b.epoch)
         self.branches.append(fork)
         self._turn(fork, [*start, *self.c.snippets[FORK_TEXTS[text]]], max_tokens=12)
         self._done()
@@ -810,7 +930,9 @@ class ChaosMachine(RuleBasedStateMachine):
             r = self.c.http.post(url, content=body(), headers=headers)
             assert r.status_code == 413, r.text
         elif kind == "content_length_huge":
-            status, payload = _raw_post(self.c.s.router.port, "/v1/chat/completions", 99999999999)
+            status, payload = _raw_post(
+                self.c.s.router.port, "/v1/chat/completions", 99999999999, b.key
+            )
             assert status == 413, payload
             r = httpx.Response(status, content=payload)
         else:
@@ -827,12 +949,17 @@ class ChaosMachine(RuleBasedStateMachine):
         self._step("fuzz_field", **_args(locals()))
         conv = f"{self.prefix}-fuzz"
         self.extra_convs.add(conv)
+        self.keys[conv] = KEYS[0]
         body = self._body(self.c.bases[1], None, 8, stream=stream)
         body[name] = value
         r = self.c.http.post(
             f"{self.c.s.router.url}/v1/chat/completions",
             content=json.dumps(body).encode(),
-            headers={"content-type": "application/json", "X-Conversation-Id": conv},
+            headers={
+                "content-type": "application/json",
+                "X-Conversation-Id": conv,
+                **_auth(KEYS[0]),
+            },
         )
         self.c.summary.fuzzed[f"field:{name}"] += 1
         assert r.status_code < 500, f"{name}={value!r}: {r.status_code} {r.text[:300]}"
@@ -938,6 +1065,106 @@ class ChaosMachine(RuleBasedStateMachine):
             self.c.restart_decode(which)
         self._done()
 
+    @precondition(lambda self: any(b.held for b in self.branches) and self.p_kills < 1)
+    @rule(pick=st.integers(0, 99))
+    def kill_prefill(self, pick: int) -> None:
+        """SIGKILL the P (its prefix cache and KV-event stream are gone), a new P on the same
+        ports, then a turn: D still holds the conversations' KV, so it pulls as before, and a
+        receipt that states L states the new P's."""
+        self._step("kill_prefill", **_args(locals()))
+        self.p_kills += 1
+        self.c.quiet()
+        p = self.c.s.prefill[0]
+        self.c.summary.faults["prefill_kill"] += 1
+        self.c.wrong_kv_base += self.c.wrong_kv_of(p)
+        os.kill(p.process.pid, signal.SIGKILL)
+        p.process.wait()
+        self.c.restart_prefill()
+        b = self._branch(pick)
+        if b.held:
+            self._turn(b, self._next_ids(b, pick), max_tokens=10, expect_pull=self._expect(b))
+        self._done()
+
+    @precondition(lambda self: self.router_restarts < 1)
+    @rule(pick=st.integers(0, 99))
+    def restart_router(self, pick: int) -> None:
+        """A new router process (handles and leases live in Redis; P's KV events, engine ids
+        and its index start afresh), then a turn that pulls what the old router stored."""
+        self._step("restart_router", **_args(locals()))
+        self.router_restarts += 1
+        self.c.quiet()
+        self.c.summary.faults["router_restart"] += 1
+        self.c.restart_router()
+        b = self._branch(pick)
+        if b.held:
+            self._turn(b, self._next_ids(b, pick), max_tokens=10, expect_pull=self._expect(b))
+        self._done()
+
+    @precondition(lambda self: any(b.held for b in self.branches))
+    @rule(pick=st.integers(0, 99), n=st.sampled_from([100, 3000]), flooder=st.integers(0, 2))
+    def lease_flood(self, pick: int, n: int, flooder: int) -> None:
+        """A tenant leases ``n`` conversations that do not exist (nothing is held for them);
+        then a real conversation's one-second lease lapses and its KV is released at once."""
+        self._step("lease_flood", **_args(locals()))
+        b = self._branch(pick)
+        if not b.held:
+            return self._done()
+        url = self.c.s.router.url
+        ghosts = [f"{self.prefix}-ghost-{i}" for i in range(n)]
+        r = self.c.http.post(
+            f"{url}/v1/conversations/leases",
+            json={"ids": ghosts, "lease_s": 1},
+            headers=_auth(KEYS[flooder]),
+        )
+        assert r.status_code == 200, r.text
+        assert all("error" in item for item in r.json()["data"]), r.text[:300]
+        self.c.summary.lease_flood_ids += n
+        self.c.quiet()
+        r = self.c.http.post(
+            f"{url}/v1/conversations/{b.conv}/lease", json={"lease_s": 1}, headers=_auth(b.key)
+        )
+        if r.status_code == 404:  # nothing stored for it (its last turn's handle was lost)
+            _check_error(r, "lease of a conversation without KV")
+            return self._done()
+        assert r.status_code == 200, r.text
+        started = time.monotonic()
+        while self.c.stored_of(b.conv):
+            assert time.monotonic() - started < 10, "a lapsed lease was not released in 10 s"
+            time.sleep(0.1)
+        self.c.summary.lease_releases_seconds.append(round(time.monotonic() - started, 2))
+        for x in self.branches:
+            if x.conv == b.conv:
+                x.clean_gen = None  # its KV was released: the next turn recomputes
+        self._done()
+
+    @precondition(lambda self: any(b.held and b.key == KEYS[0] for b in self.branches))
+    @rule(pick=st.integers(0, 99))
+    def probe_salt(self, pick: int) -> None:
+        """The sharing tenant sends a team-a conversation's history under team-a's salt: it
+        never finds team-a's prefix cache (P's L, D's handle) — only what it sent itself."""
+        self._step("probe_salt", **_args(locals()))
+        owned = [b for b in self.branches if b.held and b.key == KEYS[0]]
+        b = owned[pick % len(owned)]
+        salt = TEAM_A_SALT if b.salt is None else f"{TEAM_A_SALT}:{b.salt}"
+        conv = f"{self.prefix}-probe"
+        self.extra_convs.add(conv)
+        self.keys[conv] = KEYS[2]
+        body = self._body(b.held, salt, 4)
+        headers = {"X-Conversation-Id": conv, **_auth(KEYS[2])}
+        r = self.c.http.post(
+            f"{self.c.s.router.url}/v1/chat/completions", json=body, headers=headers
+        )
+        assert r.status_code == 200, r.text
+        own = max((_common(b.held, sent) for sent in self.probes), default=0)
+        local = r.headers.get("x-agentkv-local-prefix-tokens")
+        assert local is None or int(local) <= own, (own, dict(r.headers))
+        assert int(r.headers["x-agentkv-verified-prefix-tokens"]) <= own, dict(r.headers)
+        cached = (r.json().get("usage") or {}).get("prompt_tokens_details") or {}
+        assert (cached.get("cached_tokens") or 0) <= own, r.json().get("usage")
+        self.probes.append(b.held)
+        self.c.summary.probes += 1
+        self._done()
+
     # -- invariants -----------------------------------------------------------------------------
     @invariant()
     def no_wrong_kv(self) -> None:
@@ -966,8 +1193,13 @@ class ChaosMachine(RuleBasedStateMachine):
             for i, d in enumerate(c.s.decode):
                 if d.process.poll() is not None:
                     c.restart_decode(i)
+            if c.s.prefill[0].process.poll() is not None:
+                c.restart_prefill()
             for conv in [*self.convs, *self.extra_convs]:
-                r = c.http.delete(f"{c.s.router.url}/v1/conversations/{conv}")
+                r = c.http.delete(
+                    f"{c.s.router.url}/v1/conversations/{conv}",
+                    headers=_auth(self.keys.get(conv, KEYS[0])),
+                )
                 if healthy:
                     assert r.status_code == 200, r.text
         if healthy:
@@ -976,13 +1208,13 @@ class ChaosMachine(RuleBasedStateMachine):
             assert not c.retained() - c.orphans, sorted(c.retained() - c.orphans)[:4]
 
 
-def _raw_post(port: int, path: str, length: int) -> tuple[int, bytes]:
+def _raw_post(port: int, path: str, length: int, key: str) -> tuple[int, bytes]:
     """A POST that declares ``length`` bytes and sends a few (httpx would not lie)."""
     with socket.create_connection(("127.0.0.1", port), 10) as sock:
         sock.settimeout(20)
         head = (
             f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {length}\r\n\r\n{{}}"
+            f"Authorization: Bearer {key}\r\nContent-Length: {length}\r\n\r\n{{}}"
         )
         sock.sendall(head.encode())
         data = b""
@@ -1011,7 +1243,7 @@ def test_a_release_that_meets_a_failing_p_is_retried(chaos: Chaos) -> None:
     ``Router.release``)."""
     ChaosMachine.chaos = chaos
     state = ChaosMachine()
-    state.start(salts=["salt-a", None], max_tokens=19)
+    state.start(salts=["salt-a", None], max_tokens=19, tenants=[0, 1])
     state.handles_agree_once_quiet()
     # the release races the turn's own retries for P's failures: try it often
     for i in range(8):
@@ -1029,11 +1261,11 @@ def test_every_hostile_body_is_refused_and_costs_nothing(chaos: Chaos) -> None:
     turn still pulls everything."""
     ChaosMachine.chaos = chaos
     state = ChaosMachine()
-    state.start(salts=[None, None], max_tokens=8)
+    state.start(salts=[None, None], max_tokens=8, tenants=[2, 0])
     for kind in HOSTILE_KINDS:
         state.hostile(pick=0, kind=kind)
     state.turn(pick=0, text=3, max_tokens=8)
-    assert state.c.summary.decisions["pull"] >= 1
+    assert state.c.summary.decisions["pull"] + state.c.summary.decisions["local"] >= 1
     state.handles_agree_once_quiet()
     state.no_wrong_kv()
     state.teardown()
