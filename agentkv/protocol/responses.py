@@ -15,10 +15,8 @@ and the simulator serve the API exactly as vLLM would:
 - :func:`chat_to_response`: a Chat Completions answer as a ``response`` object
   (``build_response_output_items`` in ``responses/utils.py``, ``ResponsesResponse.from_request``
   and the usage of ``responses_full_generator`` in ``responses/serving.py``).
-- :class:`ResponsesEncoder`: the same for a streamed answer, event by event, as vLLM's
-  ``SimpleStreamingEventProcessor`` (``responses/streaming_events.py``) emits them, framed as
-  ``api_router.py`` frames them (``event: <type>`` then ``data: <json>``), with a
-  ``sequence_number`` on each. It has the methods of the router's edge ``Encoder``.
+- :class:`~agentkv.protocol.responses_stream.ResponsesEncoder` (its own module): the same for a
+  streamed answer, event by event.
 
 Where agentkv differs from vLLM, on purpose:
 
@@ -47,10 +45,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-
 __all__ = [
-    "ResponsesEncoder",
     "ResponsesRequestError",
     "chat_to_response",
     "history_items",
@@ -88,7 +83,7 @@ _INCLUDE = frozenset(
     }
 )
 """``include`` values vLLM's ``ResponsesRequest`` accepts."""
-_LOGPROBS = "message.output_text.logprobs"
+LOGPROBS = "message.output_text.logprobs"
 _TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text"}
 _EFFORTS = frozenset({"none", "minimal", "low", "medium", "high", "xhigh", "max"})
 # vLLM's sampling extras a Responses request may carry, the same on the chat path
@@ -132,7 +127,7 @@ def new_response_id() -> str:
     return f"resp_{uuid.uuid4().hex}"
 
 
-class _ItemIds:
+class ItemIds:
     """A response's output item ids: ``<prefix>_<the response id's hex>_<n>``, so an item a
     client sends back names the response it came from (:func:`response_of_item`)."""
 
@@ -178,7 +173,7 @@ def not_found_error(response_id: str) -> dict[str, Any]:
 
 # -- tools ------------------------------------------------------------------------------------
 @dataclass
-class _Tools:
+class Tools:
     """A request's tools as the model sees them, and the way back from a call's name."""
 
     chat: list[dict[str, Any]] = field(default_factory=list)
@@ -206,10 +201,10 @@ def _function(name: Any, tool: Mapping[str, Any], param: str) -> dict[str, Any]:
     return {"type": "function", "function": fn}
 
 
-def _tools(raw: Any) -> _Tools:
+def tools_of(raw: Any) -> Tools:
     """vLLM ``get_function_tools``: function tools as they are, namespace functions flattened,
     custom tools as a one-string function; other (built-in) tool types dropped."""
-    out = _Tools()
+    out = Tools()
     if raw is None:
         return out
     if not isinstance(raw, list):
@@ -252,7 +247,7 @@ def _tools(raw: Any) -> _Tools:
     return out
 
 
-def _tool_choice(choice: Any, tools: _Tools, has_tools: bool) -> Any:
+def _tool_choice(choice: Any, tools: Tools, has_tools: bool) -> Any:
     """vLLM ``check_tool_usage`` and ``_resolve_named_tool_choice``, in chat's form."""
     if choice is None or choice == "auto":
         return "auto" if has_tools else "none"
@@ -523,7 +518,7 @@ def responses_to_chat(
     """
     _check(body)
     messages, items = _messages(body, previous_items)
-    tools = _tools(body.get("tools"))
+    tools = tools_of(body.get("tools"))
     has_tools = bool(body.get("tools"))
     chat: dict[str, Any] = {"messages": messages}
     if body.get("model") is not None:
@@ -566,7 +561,7 @@ def responses_to_chat(
         chat["continue_final_message"] = True
     if kwargs:
         chat["chat_template_kwargs"] = kwargs
-    if _LOGPROBS in (body.get("include") or []):
+    if LOGPROBS in (body.get("include") or []):
         chat["logprobs"] = True
         top = body.get("top_logprobs")
         if top:
@@ -585,7 +580,7 @@ def responses_to_chat(
 
 
 # -- chat answer -> response ------------------------------------------------------------------
-def _usage(chat_usage: Mapping[str, Any] | None) -> dict[str, Any] | None:
+def response_usage(chat_usage: Mapping[str, Any] | None) -> dict[str, Any] | None:
     if not chat_usage:
         return None
     prompt = int(chat_usage.get("prompt_tokens") or 0)
@@ -601,7 +596,7 @@ def _usage(chat_usage: Mapping[str, Any] | None) -> dict[str, Any] | None:
     }
 
 
-def _logprobs(chat_logprobs: Any) -> list[dict[str, Any]]:
+def response_logprobs(chat_logprobs: Any) -> list[dict[str, Any]]:
     """Chat ``logprobs.content`` as the Responses ``output_text.logprobs``."""
     content = (chat_logprobs or {}).get("content") if isinstance(chat_logprobs, dict) else None
     out = []
@@ -621,7 +616,7 @@ def _logprobs(chat_logprobs: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _base(
+def base_response(
     request: Mapping[str, Any], response_id: str, created_at: int, model: str | None
 ) -> dict[str, Any]:
     """``ResponsesResponse.from_request`` without output, status and usage."""
@@ -664,20 +659,20 @@ def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
-def _status(finish_reason: Any) -> str:
+def item_status(finish_reason: Any) -> str:
     """vLLM ``response_item_status``: a ``length`` cut is ``incomplete``."""
     return "incomplete" if finish_reason == "length" else "completed"
 
 
-def _finish(response: dict[str, Any], finish_reason: Any) -> dict[str, Any]:
-    status = _status(finish_reason)
+def finish_response(response: dict[str, Any], finish_reason: Any) -> dict[str, Any]:
+    status = item_status(finish_reason)
     response["status"] = status
     if status == "incomplete":
         response["incomplete_details"] = {"reason": "max_output_tokens"}
     return response
 
 
-def _reasoning_item(text: str, status: str | None, item_id: str) -> dict[str, Any]:
+def reasoning_item(text: str, status: str | None, item_id: str) -> dict[str, Any]:
     return {
         "id": item_id,
         "type": "reasoning",
@@ -688,12 +683,12 @@ def _reasoning_item(text: str, status: str | None, item_id: str) -> dict[str, An
     }
 
 
-def _text_part(text: str, logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:
+def text_part(text: str, logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
-def _call_item(
-    tools: _Tools, name: str, arguments: str, call_id: str, status: str, item_id: str
+def call_item(
+    tools: Tools, name: str, arguments: str, call_id: str, status: str, item_id: str
 ) -> dict[str, Any]:
     if name in tools.custom:
         return {
@@ -742,21 +737,23 @@ def chat_to_response(
     """A non-streamed Chat Completions answer as a ``response`` object (vLLM
     ``build_response_output_items`` and ``ResponsesResponse.from_request``)."""
     response_id = response_id or new_response_id()
-    ids = _ItemIds(response_id)
+    ids = ItemIds(response_id)
     choice = (chat.get("choices") or [{}])[0]
     message = choice.get("message") or {}
     finish = choice.get("finish_reason")
-    last_status = _status(finish)
-    tools = _tools(request.get("tools"))
+    last_status = item_status(finish)
+    tools = tools_of(request.get("tools"))
     output: list[dict[str, Any]] = []
     reasoning = message.get("reasoning") or message.get("reasoning_content")
     if reasoning and request.get("include_reasoning", True) is not False:
-        output.append(_reasoning_item(reasoning, None, ids("rs")))
+        output.append(reasoning_item(reasoning, None, ids("rs")))
     calls = _tool_calls_of(message)
     content = message.get("content")
     if content:
         logprobs = (
-            _logprobs(choice.get("logprobs")) if _LOGPROBS in (request.get("include") or []) else []
+            response_logprobs(choice.get("logprobs"))
+            if LOGPROBS in (request.get("include") or [])
+            else []
         )
         output.append(
             {
@@ -764,7 +761,7 @@ def chat_to_response(
                 "type": "message",
                 "role": "assistant",
                 "status": "completed" if calls else last_status,
-                "content": [_text_part(content, logprobs)],
+                "content": [text_part(content, logprobs)],
             }
         )
     for i, call in enumerate(calls):
@@ -773,347 +770,15 @@ def chat_to_response(
         call_id = call.get("id") or f"call_{uuid.uuid4().hex[:24]}"
         name = str(fn.get("name"))
         item_id = ids("ctc" if name in tools.custom else "fc")
-        output.append(_call_item(tools, name, fn.get("arguments") or "", call_id, status, item_id))
-    response = _base(
+        output.append(call_item(tools, name, fn.get("arguments") or "", call_id, status, item_id))
+    response = base_response(
         request,
         response_id,
         created_at if created_at is not None else int(chat.get("created") or time.time()),
         chat.get("model"),
     )
     response["output"] = output
-    response["usage"] = _usage(chat.get("usage"))
+    response["usage"] = response_usage(chat.get("usage"))
     if chat.get("kv_transfer_params") is not None:  # vLLM's own field (the router strips it)
         response["kv_transfer_params"] = chat["kv_transfer_params"]
-    return _finish(response, finish)
-
-
-# -- the stream -------------------------------------------------------------------------------
-def frame(event: Mapping[str, Any]) -> bytes:
-    """One event as vLLM's ``api_router.py`` writes it."""
-    return b"event: " + str(event["type"]).encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
-
-
-@dataclass
-class _Open:
-    """The output item being streamed (vLLM ``SimpleStreamingState``)."""
-
-    kind: str  # "message" | "reasoning" | "call"
-    item_id: str
-    text: str = ""
-    logprobs: list[dict[str, Any]] = field(default_factory=list)
-    call_index: int | None = None
-    call_id: str = ""
-    name: str = ""
-
-
-class ResponsesEncoder:
-    """One turn of ``/v1/responses``: the chat answer (or stream, or error) in the Responses
-    format. A fresh encoder per request; after :meth:`response` or :meth:`done`, ``final`` is
-    the finished response object (what a response store keeps)."""
-
-    def __init__(
-        self,
-        request: Mapping[str, Any],
-        *,
-        response_id: str | None = None,
-        created_at: int | None = None,
-    ) -> None:
-        self.request = request
-        self.id = response_id or new_response_id()
-        self._ids = _ItemIds(self.id)
-        self.created_at = created_at if created_at is not None else int(time.time())
-        self.final: dict[str, Any] | None = None
-        self.failed = False
-        self._tools = _tools(request.get("tools"))
-        self._logprobs = _LOGPROBS in (request.get("include") or [])
-        self._reasoning = request.get("include_reasoning", True) is not False
-        self._seq = 0
-        self._started = False
-        self._model: str | None = None
-        self._open: _Open | None = None
-        self._output: list[dict[str, Any]] = []
-        self._index = 0
-        self._finish: Any = None
-        self._usage: dict[str, Any] | None = None
-
-    # -- Encoder ------------------------------------------------------------------------------
-    def response(self, chat: dict[str, Any]) -> dict[str, Any]:
-        self.final = chat_to_response(
-            chat, self.request, response_id=self.id, created_at=self.created_at
-        )
-        return self.final
-
-    def error(self, status: int, error: dict[str, Any]) -> dict[str, Any]:
-        return {"error": error}
-
-    def chunk(self, chat: dict[str, Any]) -> list[bytes]:
-        events = self._start(chat.get("model"))
-        if chat.get("usage"):
-            self._usage = chat["usage"]
-        for choice in chat.get("choices") or []:
-            if choice.get("finish_reason") is not None:
-                self._finish = choice["finish_reason"]
-            delta = choice.get("delta") or {}
-            lps = _logprobs(choice.get("logprobs")) if self._logprobs else []
-            reasoning = delta.get("reasoning") or delta.get("reasoning_content")
-            if reasoning and self._reasoning:
-                events += self._to("reasoning")
-                events += self._reasoning_delta(reasoning)
-            if delta.get("content"):
-                events += self._to("message")
-                events += self._text_delta(delta["content"], lps)
-            for call in delta.get("tool_calls") or []:
-                events += self._call(call)
-        return [frame(e) for e in events]
-
-    def done(self) -> list[bytes]:
-        if self.failed:
-            return []
-        events = self._start(None)
-        events += self._close(_status(self._finish))
-        response = self._snapshot()
-        response["output"] = list(self._output)
-        response["usage"] = _usage(self._usage)
-        self.final = _finish(response, self._finish)
-        incomplete = self.final["status"] == "incomplete"
-        kind = "response.incomplete" if incomplete else "response.completed"
-        events.append(self._event(kind, response=self.final))
-        return [frame(e) for e in events]
-
-    def stream_error(self, error: dict[str, Any]) -> list[bytes]:
-        if self.failed:
-            return []
-        self.failed = True
-        events = self._start(None)
-        code = error.get("code")
-        status = code if isinstance(code, int) else 500
-        name = "server_error" if status >= 500 else str(error.get("type") or "invalid_request")
-        message = str(error.get("message") or "The answer's stream broke.")
-        events.append(self._event("error", code=name, message=message, param=error.get("param")))
-        response = self._snapshot()
-        response["output"] = list(self._output)
-        response["status"] = "failed"
-        response["error"] = {"code": name, "message": message}
-        events.append(self._event("response.failed", response=response))
-        return [frame(e) for e in events]
-
-    # -- state --------------------------------------------------------------------------------
-    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
-        event = {"type": kind, "sequence_number": self._seq, **fields}
-        self._seq += 1
-        return event
-
-    def _snapshot(self) -> dict[str, Any]:
-        return _base(self.request, self.id, self.created_at, self._model)
-
-    def _start(self, model: Any) -> list[dict[str, Any]]:
-        if isinstance(model, str) and model and self._model is None:
-            self._model = model
-        if self._started:
-            return []
-        self._started = True
-        initial = self._snapshot()
-        return [
-            self._event("response.created", response=initial),
-            self._event("response.in_progress", response=initial),
-        ]
-
-    def _to(self, kind: str) -> list[dict[str, Any]]:
-        """Close the open item unless it is of ``kind``, and open one of ``kind``."""
-        if self._open is not None and self._open.kind == kind:
-            return []
-        events = self._close("completed")
-        item_id = self._ids("msg" if kind == "message" else "rs")
-        self._open = _Open(kind, item_id)
-        if kind == "message":
-            item: dict[str, Any] = {
-                "id": item_id,
-                "type": "message",
-                "role": "assistant",
-                "status": "in_progress",
-                "content": [],
-            }
-            part: dict[str, Any] = _text_part("", None)
-        else:
-            item = {"id": item_id, "type": "reasoning", "summary": [], "status": "in_progress"}
-            part = {"type": "reasoning_text", "text": ""}
-        at = self._index
-        events.append(self._event("response.output_item.added", output_index=at, item=item))
-        events.append(
-            self._event(
-                "response.content_part.added",
-                output_index=self._index,
-                item_id=item_id,
-                content_index=0,
-                part=part,
-            )
-        )
-        return events
-
-    def _text_delta(self, text: str, logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        assert self._open is not None
-        self._open.text += text
-        self._open.logprobs.extend(logprobs)
-        stream_lps = [
-            {
-                "token": lp["token"],
-                "logprob": lp["logprob"],
-                "top_logprobs": [
-                    {"token": t["token"], "logprob": t["logprob"]} for t in lp["top_logprobs"]
-                ],
-            }
-            for lp in logprobs
-        ]
-        return [
-            self._event(
-                "response.output_text.delta",
-                output_index=self._index,
-                item_id=self._open.item_id,
-                content_index=0,
-                delta=text,
-                logprobs=stream_lps,
-            )
-        ]
-
-    def _reasoning_delta(self, text: str) -> list[dict[str, Any]]:
-        assert self._open is not None
-        self._open.text += text
-        return [
-            self._event(
-                "response.reasoning_text.delta",
-                output_index=self._index,
-                item_id=self._open.item_id,
-                content_index=0,
-                delta=text,
-            )
-        ]
-
-    def _call(self, call: Mapping[str, Any]) -> list[dict[str, Any]]:
-        fn = call.get("function")
-        if not isinstance(fn, dict):
-            return []
-        index = call.get("index")
-        events: list[dict[str, Any]] = []
-        current = self._open
-        if (
-            current is None
-            or current.kind != "call"
-            or (
-                index is not None and current.call_index is not None and index != current.call_index
-            )
-        ):
-            events += self._close("completed")
-            name = str(fn.get("name") or "")
-            call_id = call.get("id") or f"call_{uuid.uuid4().hex[:24]}"
-            is_custom = name in self._tools.custom
-            item_id = self._ids("ctc" if is_custom else "fc")
-            self._open = _Open("call", item_id, call_index=index, call_id=call_id, name=name)
-            item = _call_item(self._tools, name, "", call_id, "in_progress", item_id)
-            events.append(
-                self._event("response.output_item.added", output_index=self._index, item=item)
-            )
-        assert self._open is not None
-        arguments = fn.get("arguments") or ""
-        if arguments:
-            self._open.text += arguments
-            if self._open.name not in self._tools.custom:
-                events.append(
-                    self._event(
-                        "response.function_call_arguments.delta",
-                        output_index=self._index,
-                        item_id=self._open.item_id,
-                        delta=arguments,
-                    )
-                )
-        return events
-
-    def _close(self, status: str) -> list[dict[str, Any]]:
-        """The open item's closing events (vLLM ``emit_simple_*_done``)."""
-        item = self._open
-        if item is None:
-            return []
-        self._open = None
-        at = self._index
-        self._index += 1
-        events: list[dict[str, Any]] = []
-        if item.kind == "message":
-            part = _text_part(item.text, item.logprobs)
-            done: dict[str, Any] = {
-                "id": item.item_id,
-                "type": "message",
-                "role": "assistant",
-                "status": status,
-                "content": [part] if item.text else [],
-            }
-            events.append(
-                self._event(
-                    "response.output_text.done",
-                    output_index=at,
-                    item_id=item.item_id,
-                    content_index=0,
-                    text=item.text,
-                    logprobs=[],
-                )
-            )
-            events.append(
-                self._event(
-                    "response.content_part.done",
-                    output_index=at,
-                    item_id=item.item_id,
-                    content_index=0,
-                    part=part,
-                )
-            )
-        elif item.kind == "reasoning":
-            done = _reasoning_item(item.text, status, item.item_id)
-            events.append(
-                self._event(
-                    "response.reasoning_text.done",
-                    output_index=at,
-                    item_id=item.item_id,
-                    content_index=0,
-                    text=item.text,
-                )
-            )
-            events.append(
-                self._event(
-                    "response.content_part.done",
-                    output_index=at,
-                    item_id=item.item_id,
-                    content_index=0,
-                    part={"type": "reasoning_text", "text": item.text},
-                )
-            )
-        else:
-            done = _call_item(self._tools, item.name, item.text, item.call_id, status, item.item_id)
-            if done["type"] == "custom_tool_call":
-                if done["input"]:
-                    events.append(
-                        self._event(
-                            "response.custom_tool_call_input.delta",
-                            output_index=at,
-                            item_id=item.item_id,
-                            delta=done["input"],
-                        )
-                    )
-                events.append(
-                    self._event(
-                        "response.custom_tool_call_input.done",
-                        output_index=at,
-                        item_id=item.item_id,
-                        input=done["input"],
-                    )
-                )
-            else:
-                events.append(
-                    self._event(
-                        "response.function_call_arguments.done",
-                        output_index=at,
-                        item_id=item.item_id,
-                        name=done["name"],
-                        arguments=item.text,
-                    )
-                )
-        events.append(self._event("response.output_item.done", output_index=at, item=done))
-        self._output.append(done)
-        return events
+    return finish_response(response, finish)

@@ -33,7 +33,6 @@ from starlette.responses import Response, StreamingResponse
 
 from agentkv.protocol.http import ORJSONResponse, json_object
 from agentkv.protocol.responses import (
-    ResponsesEncoder,
     ResponsesRequestError,
     history_items,
     input_items,
@@ -42,6 +41,7 @@ from agentkv.protocol.responses import (
     not_found_error,
     responses_to_chat,
 )
+from agentkv.protocol.responses_stream import ResponsesEncoder
 from agentkv.router.config import RouterConfig
 from agentkv.router.edge import adapt
 from agentkv.router.logs import safe

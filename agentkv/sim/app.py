@@ -38,7 +38,8 @@ from agentkv.protocol import (
     HEADER_SIM_WRONG_KV_TOKENS,
 )
 from agentkv.protocol.http import ORJSONResponse, error_response, json_object
-from agentkv.protocol.responses import ResponsesEncoder, ResponsesRequestError, responses_to_chat
+from agentkv.protocol.responses import ResponsesRequestError, responses_to_chat
+from agentkv.protocol.responses_stream import ResponsesEncoder
 from agentkv.sim.clock import Clock
 from agentkv.sim.config import SimConfig
 from agentkv.sim.costmodel import PRESETS, CostModel, load_cost_file

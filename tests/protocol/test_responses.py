@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 
 from agentkv.protocol.responses import (
-    ResponsesEncoder,
     ResponsesRequestError,
     chat_to_response,
     history_items,
@@ -20,6 +19,7 @@ from agentkv.protocol.responses import (
     response_of_item,
     responses_to_chat,
 )
+from agentkv.protocol.responses_stream import ResponsesEncoder
 
 SESSION = "01a23591-27a5-7ca3-8f3f-9e92577e7fdd"
 
