@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -413,3 +414,28 @@ def test_langchain_chat_openai_responses_api_two_turns(pd: Stack) -> None:
     assert transport.decisions[0] in ("miss", "recompute")
     assert transport.decisions[1] == "pull", (transport.decisions, transport.bodies[1]["input"])
     assert pd.wrong_kv() == 0
+
+
+def test_a_broken_decode_stream_fails_the_response(pd: Stack) -> None:
+    """D drops the connection mid-answer: the Responses stream says so (``error``, then
+    ``response.failed``) instead of completing."""
+    (decode,) = pd.decode
+    client = client_for(pd)
+    httpx.post(f"{decode.url}/_sim/faults", json={"cut_stream_after": 3}, timeout=10)
+    try:
+        stream = client.responses.create(
+            model=MODEL,
+            input="Tell me a story.",
+            stream=True,
+            extra_body={"agentkv_sim": say("Once upon a time there was a cache. " * 4)},
+        )
+        types = [event.type for event in stream]
+    finally:
+        httpx.post(f"{decode.url}/_sim/faults", json={"cut_stream_after": None}, timeout=10)
+    assert types[:2] == ["response.created", "response.in_progress"]
+    assert types[-2:] == ["error", "response.failed"], types
+    assert "response.completed" not in types
+    deadline = time.monotonic() + 10  # D is back in rotation once its health check passes
+    while httpx.get(f"{pd.router.url}/health", timeout=10).status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
