@@ -6,10 +6,11 @@ Responses API, streamed, ``store: false``, with its session id as ``prompt_cache
 (``/work/shared/reference/agent-harnesses.md``).
 
 A simulated model does not call tools on its own, and Codex lets no one add a body field, so the
-multi-request turn goes through a small scripting proxy on loopback that adds the simulator's
+tool rounds go through a small scripting proxy on loopback that adds the simulator's
 ``agentkv_sim`` field from what Codex sent: a call of Codex's ``exec_command`` tool to the user's
 request, an answer to the tool's output. Codex runs the command itself and sends its whole input
-again: that second request must pull the first one's KV.
+again, and a second turn (``codex exec resume --last``) sends it all once more: every request
+after the first must pull its predecessor's KV.
 """
 
 from __future__ import annotations
@@ -146,9 +147,11 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         yield s
 
 
-def run_codex(binary: Path, base_url: str, tmp: Path, prompt: str) -> list[dict[str, Any]]:
-    """``codex exec --json`` headless, its own HOME, no sandbox (the test machine may lack
-    user namespaces); its JSON events."""
+def run_codex(
+    binary: Path, base_url: str, tmp: Path, prompt: str, *, resume: bool = False
+) -> list[dict[str, Any]]:
+    """``codex exec --json`` headless (``resume --last``: the next turn of the last session),
+    its own HOME, no sandbox (the test machine may lack user namespaces); its JSON events."""
     home = tmp / "home"
     (home / ".codex").mkdir(parents=True, exist_ok=True)
     work = tmp / "work"
@@ -168,7 +171,8 @@ def run_codex(binary: Path, base_url: str, tmp: Path, prompt: str) -> list[dict[
     argv = [
         str(binary), "exec", "--skip-git-repo-check", "--json",
         "--dangerously-bypass-approvals-and-sandbox",
-        "-c", "model_provider=local", "-c", provider, "-m", MODEL, prompt,
+        "-c", "model_provider=local", "-c", provider, "-m", MODEL,
+        *(["resume", "--last"] if resume else []), prompt,
     ]
     # fmt: on
     done = subprocess.run(
@@ -187,8 +191,7 @@ def run_codex(binary: Path, base_url: str, tmp: Path, prompt: str) -> list[dict[
 def test_codex_exec_one_turn(pd: Stack, tmp_path: Path) -> None:
     binary = codex_binary()
     events = run_codex(binary, pd.router.url, tmp_path, "Say hello.")
-    messages = [e["item"]["text"] for e in events if e.get("type") == "item.completed"
-                and e["item"].get("type") == "agent_message"]  # fmt: skip
+    messages = agent_messages(events)
     assert len(messages) == 1 and messages[0].strip()
     (usage,) = [e["usage"] for e in events if e.get("type") == "turn.completed"]
     assert usage["input_tokens"] > 1000 and usage["output_tokens"] > 0
@@ -198,21 +201,34 @@ def test_codex_exec_one_turn(pd: Stack, tmp_path: Path) -> None:
     assert pd.wrong_kv() == 0
 
 
-def test_codex_exec_tool_round_pulls(pd: Stack, tmp_path: Path) -> None:
+def agent_messages(events: list[dict[str, Any]]) -> list[str]:
+    return [
+        e["item"]["text"]
+        for e in events
+        if e.get("type") == "item.completed" and e["item"].get("type") == "agent_message"
+    ]
+
+
+def test_codex_exec_tool_rounds_over_two_turns_pull(pd: Stack, tmp_path: Path) -> None:
     binary = codex_binary()
     with ScriptingProxy(pd.router.url) as proxy:
-        events = run_codex(binary, proxy.url, tmp_path, "List the files here.")
-    assert proxy.statuses == [200, 200], proxy.statuses
-    first, second = proxy.requests
-    assert first["store"] is False and second["prompt_cache_key"] == first["prompt_cache_key"]
+        first_turn = run_codex(binary, proxy.url, tmp_path, "List the files here.")
+        second_turn = run_codex(binary, proxy.url, tmp_path, "List them again.", resume=True)
+    assert proxy.statuses == [200] * 4, proxy.statuses
+    first, second, third, fourth = proxy.requests
+    assert all(r["store"] is False for r in proxy.requests)
+    assert {r["prompt_cache_key"] for r in proxy.requests} == {first["prompt_cache_key"]}
     # Codex ran the command and sent everything again, with the call and its output
     kinds = [i.get("type") for i in second["input"]]
     assert kinds[-2:] == ["function_call", "function_call_output"], kinds
     assert "notes.txt" in json.dumps(second["input"][-1])
-    assert proxy.decisions[1] == "pull", proxy.decisions
-    texts = [e["item"]["text"] for e in events if e.get("type") == "item.completed"
-             and e["item"].get("type") == "agent_message"]  # fmt: skip
-    assert texts == ["There is one file: notes.txt."]
-    (usage,) = [e["usage"] for e in events if e.get("type") == "turn.completed"]
-    assert usage["cached_input_tokens"] > 0
+    assert len(fourth["input"]) > len(third["input"]) > len(second["input"])
+    # every request after the first reads the KV its predecessor left on D
+    assert proxy.decisions[0] in ("miss", "recompute")
+    assert proxy.decisions[1:] == ["pull", "pull", "pull"], proxy.decisions
+    assert agent_messages(first_turn) == ["There is one file: notes.txt."]
+    assert agent_messages(second_turn) == ["There is one file: notes.txt."]
+    for events in (first_turn, second_turn):
+        (usage,) = [e["usage"] for e in events if e.get("type") == "turn.completed"]
+        assert usage["cached_input_tokens"] > 0
     assert pd.wrong_kv() == 0
