@@ -1,6 +1,7 @@
 """``create_app(config)``: the router as an ASGI app (Starlette), no module-level state.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /tokenize``,
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses`` (with
+``GET`` and ``DELETE /v1/responses/{id}``: :mod:`agentkv.router.responses`), ``POST /tokenize``,
 ``POST /detokenize``, ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (on
 ``metrics_port`` instead when one is configured), ``DELETE /v1/conversations/{id}``,
 ``POST /v1/conversations/{id}/lease``, ``POST /v1/conversations/leases`` (a conversation id may
@@ -47,6 +48,8 @@ from agentkv.router.request import (
     parse_request,
     read_body,
 )
+from agentkv.router.responses import ResponsesAPI
+from agentkv.router.responses_store import MemoryResponses, RedisResponses, ResponseStore
 from agentkv.router.retention import LeasesUnavailable
 from agentkv.router.server import HeadLimits, bounded_protocol
 from agentkv.router.store import Bound, HandleStore, make_store
@@ -131,6 +134,7 @@ def create_app(
     )
     indexes, subscribers = kv_event_indexes(config)
     router = Router(config, pool, the_store, metrics, local_prefix=indexes, leases=leases)
+    responses = ResponsesAPI(config, router, response_store(config, inner), tenancy)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -294,6 +298,17 @@ def create_app(
             methods=["POST"],
         ),
         Route("/v1/completions", generate(False), methods=["POST"]),
+        Route("/v1/responses", _guard(metrics, aborts, responses.create), methods=["POST"]),
+        Route(
+            "/v1/responses/{response_id}",
+            _guard(metrics, aborts, responses.retrieve),
+            methods=["GET"],
+        ),
+        Route(
+            "/v1/responses/{response_id}",
+            _guard(metrics, aborts, responses.delete),
+            methods=["DELETE"],
+        ),
         Route("/tokenize", passthrough("/tokenize"), methods=["POST"]),
         Route("/detokenize", passthrough("/detokenize"), methods=["POST"]),
         Route("/v1/models", _guard(metrics, aborts, models), methods=["GET"]),
@@ -361,6 +376,17 @@ async def _json_object(request: Request) -> dict[str, Any]:
         return json_object(raw or b"{}")
     except ValueError as exc:
         raise RouterError(400, str(exc)) from exc
+
+
+def response_store(config: RouterConfig, handles: HandleStore) -> ResponseStore:
+    """Stored responses (``previous_response_id``) in the handle store's backend."""
+    if isinstance(handles, RedisStore):
+        return RedisResponses(handles.client, prefix=handles.prefix, ttl_s=config.responses_ttl_s)
+    return MemoryResponses(
+        ttl_s=config.responses_ttl_s,
+        max_per_tenant=config.responses_max_per_tenant,
+        max_bytes_per_tenant=config.responses_max_bytes_per_tenant,
+    )
 
 
 def kv_event_indexes(

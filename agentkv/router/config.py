@@ -218,6 +218,16 @@ class RouterConfig(BaseModel):
     log_format: Literal["text", "json"] = "text"
     """``json``: one JSON object per log line."""
 
+    # -- the Responses API (/v1/responses): stored responses for previous_response_id ----------
+    responses_ttl_s: float = Field(3600.0, gt=0)
+    """A stored response (what ``previous_response_id`` continues from) lives this long. It is
+    kept in the handle store's backend: this process's memory, or the same Redis."""
+    responses_max_per_tenant: int = Field(1000, ge=1)
+    """Memory: at most this many stored responses per tenant (least recently used go first)."""
+    responses_max_bytes_per_tenant: int = Field(256 * 1024 * 1024, ge=1024)
+    """Memory: at most this many bytes of stored responses per tenant (a stored response holds
+    its whole chain's items)."""
+
     @model_validator(mode="after")
     def _check_hardening(self) -> RouterConfig:
         tenant_keys = {k for t in self.tenants for k in t.api_keys}

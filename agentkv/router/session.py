@@ -45,7 +45,8 @@ from agentkv.protocol import (
 __all__ = ["SOURCES", "conversation_of"]
 
 SOURCES = ("agentkv", "session", "claude-code", "codex", "prompt-cache-key", "opencode", "dynamo")
-"""Every source, in precedence order (``none``: the request named no conversation)."""
+"""Every source, in precedence order (``none``: the request named no conversation;
+``response-chain``: a Responses request named by its ``previous_response_id`` chain)."""
 
 _LEGACY_USER_ID = re.compile(r"_session_([0-9A-Za-z-]{8,64})$")
 

@@ -1,7 +1,10 @@
 """The simulator's ASGI app: ``create_app(config)`` serves one vLLM-like instance.
 
 Routes (vLLM 0.33's OpenAI server): ``POST /v1/chat/completions``, ``POST /v1/completions``,
-``POST /tokenize``, ``POST /detokenize``, ``GET /v1/models``, ``GET /health``, ``GET /metrics``,
+``POST /v1/responses`` (stateless: mapped onto the chat path as vLLM maps it, without a response
+store, so a ``previous_response_id`` is not found, as on vLLM without
+``VLLM_ENABLE_RESPONSES_API_STORE``), ``POST /tokenize``, ``POST /detokenize``,
+``GET /v1/models``, ``GET /health``, ``GET /metrics``,
 ``POST /reset_prefix_cache``, ``GET /kv_event_sources``. Internal (simulator only): the NIXL
 stand-in under ``/_sim/nixl/`` (:mod:`agentkv.sim.transfer`), ``GET|POST /_sim/faults``
 (:mod:`agentkv.sim.faults`) and ``GET /_sim/state``.
@@ -11,11 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +38,9 @@ from agentkv.protocol import (
     HEADER_SIM_MODEL_TTFT_MS,
     HEADER_SIM_WRONG_KV_TOKENS,
 )
-from agentkv.protocol.http import error_response, json_object
+from agentkv.protocol.http import ORJSONResponse, error_response, json_object
+from agentkv.protocol.responses import ResponsesRequestError, responses_to_chat
+from agentkv.protocol.responses_stream import ResponsesEncoder
 from agentkv.sim.clock import Clock
 from agentkv.sim.config import SimConfig
 from agentkv.sim.costmodel import PRESETS, CostModel, load_cost_file
@@ -137,6 +143,7 @@ def create_app(
     routes = [
         Route("/v1/chat/completions", _generate(state, chat=True), methods=["POST"]),
         Route("/v1/completions", _generate(state, chat=False), methods=["POST"]),
+        Route("/v1/responses", _responses(state), methods=["POST"]),
         Route("/tokenize", _tokenize(state), methods=["POST"]),
         Route("/detokenize", _detokenize(state), methods=["POST"]),
         Route("/v1/models", _models(state), methods=["GET"]),
@@ -201,43 +208,97 @@ def _guard(fn: Handler) -> Handler:
 
 
 def _generate(state: SimState, *, chat: bool) -> Handler:
-    r, engine, faults = state.renderer, state.engine, state.faults
-
     async def handler(request: Request) -> Response:
-        state.trace_context = {
-            k: v for k in _TRACE_HEADERS if (v := request.headers.get(k)) is not None
-        }
         body = await _json_body(request)
-        _check_model(state, body)
-        if faults.delay_s:
-            await asyncio.sleep(faults.delay_s)
-        if faults.take_failure():
-            raise EngineError(faults.fail_status, faults.fail_message)
-        base_id = request.headers.get(HEADER_REQUEST_ID)
-        plan = plan_chat(r, body, base_id) if chat else plan_completion(r, body, base_id)
-        events = engine.run(plan.gen).__aiter__()
-        first = await events.__anext__()  # prefill; raises EngineError before any byte
-        assert isinstance(first, Scheduled)
-        headers = {
-            HEADER_SIM_WRONG_KV_TOKENS: str(first.wrong_kv_tokens),
-            HEADER_SIM_MODEL_TTFT_MS: f"{first.model_ttft_s * 1000:.3f}",
-            HEADER_SIM_ENGINE_ID: state.config.engine_id,
-        }
-        if plan.stream:
-            with_handle = state.config.compat != "0.32"  # 0.32 puts no handle on streams
-            return StreamingResponse(
-                _stream(r, plan, first, events, with_handle, faults),
-                media_type="text/event-stream",
-                headers=headers,
-            )
-        fin: Finished | None = None
-        async for event in events:
-            if isinstance(event, Finished):
-                fin = event
-        assert fin is not None
-        return JSONResponse(full_response(r, plan, first, fin), headers=headers)
+        return await _serve(state, request, body, chat=chat)
 
     return _guard(handler)
+
+
+async def _serve(
+    state: SimState, request: Request, body: dict[str, Any], *, chat: bool
+) -> Response:
+    """One chat or completion request: the engine's answer, streamed or whole."""
+    r, engine, faults = state.renderer, state.engine, state.faults
+    state.trace_context = {
+        k: v for k in _TRACE_HEADERS if (v := request.headers.get(k)) is not None
+    }
+    _check_model(state, body)
+    if faults.delay_s:
+        await asyncio.sleep(faults.delay_s)
+    if faults.take_failure():
+        raise EngineError(faults.fail_status, faults.fail_message)
+    base_id = request.headers.get(HEADER_REQUEST_ID)
+    plan = plan_chat(r, body, base_id) if chat else plan_completion(r, body, base_id)
+    events = engine.run(plan.gen).__aiter__()
+    first = await events.__anext__()  # prefill; raises EngineError before any byte
+    assert isinstance(first, Scheduled)
+    headers = {
+        HEADER_SIM_WRONG_KV_TOKENS: str(first.wrong_kv_tokens),
+        HEADER_SIM_MODEL_TTFT_MS: f"{first.model_ttft_s * 1000:.3f}",
+        HEADER_SIM_ENGINE_ID: state.config.engine_id,
+    }
+    if plan.stream:
+        with_handle = state.config.compat != "0.32"  # 0.32 puts no handle on streams
+        return StreamingResponse(
+            _stream(r, plan, first, events, with_handle, faults),
+            media_type="text/event-stream",
+            headers=headers,
+        )
+    fin: Finished | None = None
+    async for event in events:
+        if isinstance(event, Finished):
+            fin = event
+    assert fin is not None
+    return JSONResponse(full_response(r, plan, first, fin), headers=headers)
+
+
+def _responses(state: SimState) -> Handler:
+    """``POST /v1/responses`` as vLLM serves it for a chat model: the request mapped onto the
+    chat path (:mod:`agentkv.protocol.responses`) and the answer mapped back."""
+
+    async def handler(request: Request) -> Response:
+        body = await _json_body(request)
+        _check_model(state, body)
+        previous = body.get("previous_response_id")
+        if previous is not None:
+            raise EngineError(
+                404, f"Response with id '{str(previous)[:80]}' not found.", param="response_id"
+            )
+        try:
+            chat = responses_to_chat(body)
+        except ResponsesRequestError as exc:
+            raise EngineError(exc.status, exc.message, param=exc.param) from None
+        encoder = ResponsesEncoder(body)
+        answer = await _serve(state, request, chat, chat=True)
+        if isinstance(answer, StreamingResponse):
+            return StreamingResponse(
+                _reencode(answer.body_iterator, encoder),
+                media_type="text/event-stream",
+                headers=dict(answer.headers),
+            )
+        return ORJSONResponse(
+            encoder.response(json.loads(bytes(answer.body))), headers=dict(answer.headers)
+        )
+
+    return _guard(handler)
+
+
+async def _reencode(source: AsyncIterable[Any], encoder: ResponsesEncoder) -> AsyncIterator[bytes]:
+    """The chat stream's chunks as Responses events (the simulator writes whole events)."""
+    async for part in source:
+        text = part if isinstance(part, bytes) else str(part).encode()
+        out = b""
+        for line in text.split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                out += b"".join(encoder.done())
+            else:
+                out += b"".join(encoder.chunk(json.loads(data)))
+        if out:
+            yield out
 
 
 async def _stream(
