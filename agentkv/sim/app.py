@@ -1,6 +1,7 @@
 """The simulator's ASGI app: ``create_app(config)`` serves one vLLM-like instance.
 
 Routes (vLLM 0.33's OpenAI server): ``POST /v1/chat/completions``, ``POST /v1/completions``,
+``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` (:mod:`agentkv.sim.messages`),
 ``POST /tokenize``, ``POST /detokenize``, ``GET /v1/models``, ``GET /health``, ``GET /metrics``,
 ``POST /reset_prefix_cache``, ``GET /kv_event_sources``. Internal (simulator only): the NIXL
 stand-in under ``/_sim/nixl/`` (:mod:`agentkv.sim.transfer`), ``GET|POST /_sim/faults``
@@ -15,7 +16,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,7 @@ from agentkv.protocol import (
     HEADER_SIM_WRONG_KV_TOKENS,
 )
 from agentkv.protocol.http import error_response, json_object
+from agentkv.sim import messages
 from agentkv.sim.clock import Clock
 from agentkv.sim.config import SimConfig
 from agentkv.sim.costmodel import PRESETS, CostModel, load_cost_file
@@ -136,6 +138,8 @@ def create_app(
     routes = [
         Route("/v1/chat/completions", _generate(state, chat=True), methods=["POST"]),
         Route("/v1/completions", _generate(state, chat=False), methods=["POST"]),
+        Route("/v1/messages", _messages(state), methods=["POST"]),
+        Route("/v1/messages/count_tokens", _count_tokens(state), methods=["POST"]),
         Route("/tokenize", _tokenize(state), methods=["POST"]),
         Route("/detokenize", _detokenize(state), methods=["POST"]),
         Route("/v1/models", _models(state), methods=["GET"]),
@@ -155,6 +159,8 @@ def create_app(
 
 
 Handler = Any
+Runner = Callable[[Request, dict[str, Any]], Awaitable[Response]]
+ErrorShape = Callable[[int, str, str | None], Response]
 
 
 def _check_model(state: SimState, body: dict[str, Any]) -> None:
@@ -169,34 +175,44 @@ def _check_model(state: SimState, body: dict[str, Any]) -> None:
         )
 
 
-def _guard(fn: Handler) -> Handler:
-    """Errors in OpenAI's error shape, never a traceback: :class:`EngineError` as it says;
-    anything else as vLLM's ``create_error_response`` maps a raw exception (``ValueError``,
-    ``TypeError``, ``OverflowError``: 400; the rest: 500, logged)."""
+def _guard(fn: Handler, error: ErrorShape = error_response) -> Handler:
+    """Errors in OpenAI's error shape (or ``error``'s), never a traceback: :class:`EngineError`
+    as it says; anything else as vLLM's ``create_error_response`` maps a raw exception
+    (``ValueError``, ``TypeError``, ``OverflowError``: 400; the rest: 500, logged)."""
 
     async def handler(request: Request) -> Response:
         try:
             response: Response = await fn(request)
             return response
         except EngineError as exc:
-            return error_response(exc.status, exc.message, exc.param)
+            return error(exc.status, exc.message, exc.param)
         except (ValueError, TypeError, OverflowError) as exc:
-            return error_response(400, str(exc))
+            return error(400, str(exc), None)
         except Exception as exc:
             _log.exception("unexpected error in %s %s", request.method, request.url.path)
-            return error_response(500, f"Internal server error: {type(exc).__name__}")
+            return error(500, f"Internal server error: {type(exc).__name__}", None)
 
     return handler
 
 
 def _generate(state: SimState, *, chat: bool) -> Handler:
-    r, engine, faults = state.renderer, state.engine, state.faults
+    run = _runner(state, chat=chat)
 
     async def handler(request: Request) -> Response:
+        return await run(request, await _json_body(request))
+
+    return _guard(handler)
+
+
+def _runner(state: SimState, *, chat: bool) -> Runner:
+    """A chat (or completions) request's run: its JSON answer or SSE stream, or
+    :class:`EngineError` before any byte."""
+    r, engine, faults = state.renderer, state.engine, state.faults
+
+    async def run(request: Request, body: dict[str, Any]) -> Response:
         state.trace_context = {
             k: v for k in _TRACE_HEADERS if (v := request.headers.get(k)) is not None
         }
-        body = await _json_body(request)
         _check_model(state, body)
         if faults.delay_s:
             await asyncio.sleep(faults.delay_s)
@@ -226,7 +242,7 @@ def _generate(state: SimState, *, chat: bool) -> Handler:
         assert fin is not None
         return JSONResponse(full_response(r, plan, first, fin), headers=headers)
 
-    return _guard(handler)
+    return run
 
 
 async def _stream(
@@ -271,6 +287,28 @@ async def _stream(
         aclose = getattr(events, "aclose", None)
         if aclose is not None:
             await aclose()
+
+
+def _messages(state: SimState) -> Handler:
+    """Anthropic's ``/v1/messages``: the chat path under vLLM's conversion."""
+    run, traits = _runner(state, chat=True), messages.TemplateTraits(state.renderer)
+
+    async def handler(request: Request) -> Response:
+        chat = messages.to_chat(await _json_body(request), traits)
+        return await messages.convert(await run(request, chat))
+
+    return _guard(handler, messages.anthropic_error)
+
+
+def _count_tokens(state: SimState) -> Handler:
+    traits = messages.TemplateTraits(state.renderer)
+
+    async def handler(request: Request) -> Response:
+        chat = messages.to_chat(await _json_body(request), traits, count_tokens=True)
+        _check_model(state, chat)
+        return JSONResponse(messages.count_tokens(state.renderer, chat))
+
+    return _guard(handler, messages.anthropic_error)
 
 
 def _tokenize(state: SimState) -> Handler:
