@@ -1,7 +1,8 @@
 """``create_app(config)``: the router as an ASGI app (Starlette), no module-level state.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /tokenize``,
-``POST /detokenize``, ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (on
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/messages`` and
+``POST /v1/messages/count_tokens`` (Anthropic's API, :mod:`agentkv.router.messages`),
+``POST /tokenize``, ``POST /detokenize``, ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (on
 ``metrics_port`` instead when one is configured), ``DELETE /v1/conversations/{id}``.
 
 With tenants configured every route but ``/health`` needs a tenant's key, ``/metrics`` an admin
@@ -19,6 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import httpx
+import orjson
 from prometheus_client import Counter
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
@@ -33,6 +35,13 @@ from agentkv.router.http import TransportError
 from agentkv.router.kv_index import KVEventSubscriber, PrefixIndex
 from agentkv.router.leases import MemoryLeases, RedisLeases
 from agentkv.router.logs import safe
+from agentkv.router.messages import (
+    TemplateTraits,
+    anthropic_errors,
+    chat_body,
+    messages_api,
+    with_api_key,
+)
 from agentkv.router.metrics import RouterMetrics
 from agentkv.router.pd import Router, UpstreamError
 from agentkv.router.redis_store import RedisStore
@@ -159,6 +168,28 @@ def create_app(
 
         return _guard(metrics, aborts, handler)
 
+    traits = TemplateTraits()
+
+    async def messages(request: Request) -> Response:
+        """Anthropic's ``/v1/messages``: its Chat Completions body through the turn core (the
+        answer and errors are converted by :func:`messages_api`)."""
+        headers = with_api_key(request.headers)
+        tenant_for(config, headers.get("authorization"))
+        chat = await chat_body(await read_body(request, config.max_body_bytes), router, traits)
+        req = parse_request(orjson.dumps(chat), headers, chat=True, config=config)
+        with extracted(headers):
+            return await router.turn(req)
+
+    async def count_tokens(request: Request) -> Response:
+        """The prompt length the engines would run for a Messages request (P's ``/tokenize``)."""
+        headers = with_api_key(request.headers)
+        tenant_for(config, headers.get("authorization"))
+        raw = await read_body(request, config.max_body_bytes)
+        chat = await chat_body(raw, router, traits, count_tokens=True)
+        req = parse_request(orjson.dumps(chat), headers, chat=True, config=config)
+        n = len(await router.prompt_ids(req))
+        return JSONResponse({"input_tokens": n, "context_management": {"original_input_tokens": n}})
+
     def passthrough(path: str) -> Handler:
         """``/tokenize`` and ``/detokenize``: answered by a healthy P, as the engines would."""
 
@@ -264,6 +295,12 @@ def create_app(
             methods=["POST"],
         ),
         Route("/v1/completions", generate(False), methods=["POST"]),
+        Route("/v1/messages", messages_api(_guard(metrics, aborts, messages)), methods=["POST"]),
+        Route(
+            "/v1/messages/count_tokens",
+            anthropic_errors(_guard(metrics, aborts, count_tokens)),
+            methods=["POST"],
+        ),
         Route("/tokenize", passthrough("/tokenize"), methods=["POST"]),
         Route("/detokenize", passthrough("/detokenize"), methods=["POST"]),
         Route("/v1/models", _guard(metrics, aborts, models), methods=["GET"]),
