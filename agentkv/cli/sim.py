@@ -46,6 +46,10 @@ SIM_FLAGS = {
     "seed": Flag("Base seed for generated text."),
     "tool_format": Flag("Tool-call parser, as vLLM's --tool-call-parser (none: no parsing)."),
     "reasoning_parser": Flag("Leave reasoning in the text (no vLLM --reasoning-parser)."),
+    "prompt_scripts": Flag(
+        "Script answers from the prompt: the JSON after 'agentkv_sim:' in the last user message "
+        "(one script, or a list: one per answer)."
+    ),
     "kv_events_config": Flag(
         "vLLM's --kv-events-config JSON, e.g. "
         '\'{"enable_kv_cache_events":true,"publisher":"zmq",'

@@ -1,7 +1,9 @@
 """``create_app(config)``: the router as an ASGI app (Starlette), no module-level state.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses`` (with
-``GET`` and ``DELETE /v1/responses/{id}``: :mod:`agentkv.router.responses`), ``POST /tokenize``,
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/messages`` and
+``POST /v1/messages/count_tokens`` (Anthropic's API, :mod:`agentkv.router.messages`),
+``POST /v1/responses`` (with ``GET`` and ``DELETE /v1/responses/{id}``:
+:mod:`agentkv.router.responses`), ``POST /tokenize``,
 ``POST /detokenize``, ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (on
 ``metrics_port`` instead when one is configured), ``DELETE /v1/conversations/{id}``,
 ``POST /v1/conversations/{id}/lease``, ``POST /v1/conversations/leases`` (a conversation id may
@@ -23,6 +25,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, Literal
 
 import httpx
+import orjson
 from prometheus_client import Counter
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -39,6 +42,14 @@ from agentkv.router.http import TransportError
 from agentkv.router.kv_index import KVEventSubscriber, PrefixIndex
 from agentkv.router.leases import MemoryLeases, RedisLeases
 from agentkv.router.logs import safe
+from agentkv.router.messages import (
+    TemplateTraits,
+    anthropic_errors,
+    chat_body,
+    json_body,
+    messages_api,
+    with_api_key,
+)
 from agentkv.router.metrics import RouterMetrics
 from agentkv.router.pd import Router, UpstreamError
 from agentkv.router.redis_store import RedisStore
@@ -175,6 +186,31 @@ def create_app(
 
         return _guard(metrics, aborts, handler)
 
+    traits = TemplateTraits()
+
+    async def messages(request: Request) -> Response:
+        """Anthropic's ``/v1/messages``: its Chat Completions body through the turn core (the
+        answer and errors are converted by :func:`messages_api`)."""
+        headers = with_api_key(request.headers)
+        caller = tenant_for(headers.get("authorization"))
+        body = json_body(await read_body(request, config.max_body_bytes))
+        chat = await chat_body(body, router, traits)
+        req = parse_request(
+            orjson.dumps(chat), headers, chat=True, config=config, caller=caller, session_body=body
+        )
+        with extracted(headers):
+            return await router.turn(req)
+
+    async def count_tokens(request: Request) -> Response:
+        """The prompt length the engines would run for a Messages request (P's ``/tokenize``)."""
+        headers = with_api_key(request.headers)
+        caller = tenant_for(headers.get("authorization"))
+        body = json_body(await read_body(request, config.max_body_bytes))
+        chat = await chat_body(body, router, traits, count_tokens=True)
+        req = parse_request(orjson.dumps(chat), headers, chat=True, config=config, caller=caller)
+        n = len(await router.prompt_ids(req))
+        return JSONResponse({"input_tokens": n, "context_management": {"original_input_tokens": n}})
+
     def passthrough(path: str) -> Handler:
         """``/tokenize`` and ``/detokenize``: answered by a healthy P, as the engines would."""
 
@@ -308,6 +344,12 @@ def create_app(
             "/v1/responses/{response_id}",
             _guard(metrics, aborts, responses.delete),
             methods=["DELETE"],
+        ),
+        Route("/v1/messages", messages_api(_guard(metrics, aborts, messages)), methods=["POST"]),
+        Route(
+            "/v1/messages/count_tokens",
+            anthropic_errors(_guard(metrics, aborts, count_tokens)),
+            methods=["POST"],
         ),
         Route("/tokenize", passthrough("/tokenize"), methods=["POST"]),
         Route("/detokenize", passthrough("/detokenize"), methods=["POST"]),

@@ -1,6 +1,7 @@
 """The simulator's ASGI app: ``create_app(config)`` serves one vLLM-like instance.
 
 Routes (vLLM 0.33's OpenAI server): ``POST /v1/chat/completions``, ``POST /v1/completions``,
+``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` (:mod:`agentkv.sim.messages`),
 ``POST /v1/responses`` (stateless: mapped onto the chat path as vLLM maps it, without a response
 store, so a ``previous_response_id`` is not found, as on vLLM without
 ``VLLM_ENABLE_RESPONSES_API_STORE``), ``POST /tokenize``, ``POST /detokenize``,
@@ -19,7 +20,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,7 @@ from agentkv.protocol import (
 from agentkv.protocol.http import ORJSONResponse, error_response, json_object
 from agentkv.protocol.responses import ResponsesRequestError, responses_to_chat
 from agentkv.protocol.responses_stream import ResponsesEncoder
+from agentkv.sim import messages
 from agentkv.sim.clock import Clock
 from agentkv.sim.config import SimConfig
 from agentkv.sim.costmodel import PRESETS, CostModel, load_cost_file
@@ -144,6 +146,8 @@ def create_app(
         Route("/v1/chat/completions", _generate(state, chat=True), methods=["POST"]),
         Route("/v1/completions", _generate(state, chat=False), methods=["POST"]),
         Route("/v1/responses", _responses(state), methods=["POST"]),
+        Route("/v1/messages", _messages(state), methods=["POST"]),
+        Route("/v1/messages/count_tokens", _count_tokens(state), methods=["POST"]),
         Route("/tokenize", _tokenize(state), methods=["POST"]),
         Route("/detokenize", _detokenize(state), methods=["POST"]),
         Route("/v1/models", _models(state), methods=["GET"]),
@@ -173,6 +177,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 Handler = Any
+ErrorShape = Callable[[int, str, str | None], Response]
 
 
 def _check_model(state: SimState, body: dict[str, Any]) -> None:
@@ -187,22 +192,22 @@ def _check_model(state: SimState, body: dict[str, Any]) -> None:
         )
 
 
-def _guard(fn: Handler) -> Handler:
-    """Errors in OpenAI's error shape, never a traceback: :class:`EngineError` as it says;
-    anything else as vLLM's ``create_error_response`` maps a raw exception (``ValueError``,
-    ``TypeError``, ``OverflowError``: 400; the rest: 500, logged)."""
+def _guard(fn: Handler, error: ErrorShape = error_response) -> Handler:
+    """Errors in OpenAI's error shape (or ``error``'s), never a traceback: :class:`EngineError`
+    as it says; anything else as vLLM's ``create_error_response`` maps a raw exception
+    (``ValueError``, ``TypeError``, ``OverflowError``: 400; the rest: 500, logged)."""
 
     async def handler(request: Request) -> Response:
         try:
             response: Response = await fn(request)
             return response
         except EngineError as exc:
-            return error_response(exc.status, exc.message, exc.param)
+            return error(exc.status, exc.message, exc.param)
         except (ValueError, TypeError, OverflowError) as exc:
-            return error_response(400, str(exc))
+            return error(400, str(exc), None)
         except Exception as exc:
             _log.exception("unexpected error in %s %s", request.method, request.url.path)
-            return error_response(500, f"Internal server error: {type(exc).__name__}")
+            return error(500, f"Internal server error: {type(exc).__name__}", None)
 
     return handler
 
@@ -343,6 +348,31 @@ async def _stream(
         aclose = getattr(events, "aclose", None)
         if aclose is not None:
             await aclose()
+
+
+def _messages(state: SimState) -> Handler:
+    """Anthropic's ``/v1/messages``: the chat path under vLLM's conversion."""
+    traits = messages.TemplateTraits(state.renderer)
+
+    async def run(request: Request, body: dict[str, Any]) -> Response:
+        return await _serve(state, request, body, chat=True)
+
+    async def handler(request: Request) -> Response:
+        chat = messages.to_chat(await _json_body(request), traits)
+        return await messages.convert(await run(request, chat))
+
+    return _guard(handler, messages.anthropic_error)
+
+
+def _count_tokens(state: SimState) -> Handler:
+    traits = messages.TemplateTraits(state.renderer)
+
+    async def handler(request: Request) -> Response:
+        chat = messages.to_chat(await _json_body(request), traits, count_tokens=True)
+        _check_model(state, chat)
+        return JSONResponse(messages.count_tokens(state.renderer, chat))
+
+    return _guard(handler, messages.anthropic_error)
 
 
 def _tokenize(state: SimState) -> Handler:

@@ -62,6 +62,11 @@ class SimConfig(BaseModel):
     seed: int = 0
     tool_format: Literal["auto", "hermes", "qwen3_coder", "none"] = "auto"
     reasoning_parser: bool = True
+    prompt_scripts: bool = False
+    """Read a script (``agentkv_sim``'s value) from the prompt when the body has none: the JSON
+    after ``agentkv_sim:`` in the last user message that has it, one script or a list of them
+    (the n-th for the n-th answer after that message). For clients that send no extra body
+    field, such as Claude Code (:func:`agentkv.sim.serving.prompt_script`)."""
     max_output_tokens_default: int = Field(48, ge=1)
     """Upper bound of a generated answer's natural length when the request sets no limit."""
     kv_events_config: KVEventsConfig | None = None

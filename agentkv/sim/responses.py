@@ -182,6 +182,15 @@ class StreamWriter:
             "model": self.plan.model,
             "choices": [] if choice is None else [choice],
         }
+        if choice is not None and self.plan.continuous_usage:
+            # vLLM's continuous usage stats: the counts so far on every chunk
+            n = len(self.plan.gen.prompt_ids)
+            body["usage"] = {
+                "prompt_tokens": n,
+                "total_tokens": n + self.count,
+                "completion_tokens": self.count,
+                "completion_tokens_details": None,
+            }
         body.update(extra)
         return body
 

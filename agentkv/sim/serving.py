@@ -8,6 +8,7 @@ into vLLM 0.33's JSON bodies or SSE chunks.
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 import uuid
 from bisect import bisect_left
@@ -34,6 +35,7 @@ __all__ = [
     "StopHit",
     "plan_chat",
     "plan_completion",
+    "prompt_script",
     "token_pieces",
 ]
 
@@ -41,6 +43,8 @@ _REUSED_IDS = "kv_transfer_params.prompt_token_ids"
 SYSTEM_FINGERPRINT = "vllm-0.33.0-a9e7c5e1"
 """vLLM 0.33 (``--fingerprint-mode full``) sends ``vllm-<version>-<8 hex of its config hash>`` on
 every response and on a stream's usage chunk; the simulator's is fixed."""
+PROMPT_SCRIPT_MARKER = f"{BODY_SIM_SCRIPT}:"
+"""What precedes a script in a prompt (``--prompt-scripts``)."""
 # vLLM's ``VLLMValidationError`` appends the parameter to its message.
 _REUSED_IDS_PARAM = f"parameter={_REUSED_IDS}"
 
@@ -65,6 +69,8 @@ class RequestPlan:
     tool_choice: str = "auto"
     stop: StopHit | None = None
     """The stop string that ends the planned output, if one does."""
+    continuous_usage: bool = False
+    """``stream_options.continuous_usage_stats`` (with ``include_usage``): usage on every chunk."""
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -192,7 +198,7 @@ class SimRenderer:
         min_tokens: int = 0,
     ) -> tuple[list[int], StopHit | None]:
         """The tokens the model will emit, and the stop string that ends them (if any)."""
-        script = _script(body)
+        script = _script(body, self.config.prompt_scripts)
         eos = self.eos_id
         end_with_eos = True
         native = native_syntax_for(self.template.source)
@@ -251,16 +257,68 @@ class SimRenderer:
         return frozenset() if self.eos_id is None else frozenset({self.eos_id})
 
 
-def _script(body: dict[str, Any]) -> SimScript | None:
+def _script(body: dict[str, Any], from_prompt: bool = False) -> SimScript | None:
     raw = body.get(BODY_SIM_SCRIPT)
     if raw is None:
-        return None
+        return prompt_script(body) if from_prompt else None
     try:
         return SimScript.model_validate(raw)
     except ValidationError as exc:
         raise EngineError(
             400, f"Invalid `{BODY_SIM_SCRIPT}`: {exc}", param=BODY_SIM_SCRIPT
         ) from exc
+
+
+def prompt_script(body: dict[str, Any]) -> SimScript | None:
+    """The script a chat prompt carries (``--prompt-scripts``): the JSON after
+    ``agentkv_sim:`` in the last user message that has it (a string content or its text parts),
+    one script or a list; the n-th answer after that message (n = the assistant messages since)
+    gets the n-th, and answers past the list are generated text (which ends an agent's loop)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return None
+    for at in range(len(messages) - 1, -1, -1):
+        message = messages[at]
+        if not isinstance(message, dict) or message.get("role") != "user":
+            continue
+        raw = _marked(message.get("content"))
+        if raw is None:
+            continue
+        steps = raw if isinstance(raw, list) else [raw]
+        n = sum(isinstance(m, dict) and m.get("role") == "assistant" for m in messages[at + 1 :])
+        if n >= len(steps):
+            return None
+        try:
+            return SimScript.model_validate(steps[n])
+        except ValidationError as exc:
+            raise EngineError(400, f"Invalid `{PROMPT_SCRIPT_MARKER}` script: {exc}") from exc
+    return None
+
+
+def _marked(content: Any) -> Any:
+    """The JSON value after the marker in a message's text, or None."""
+    if isinstance(content, str):
+        texts = [content]
+    elif isinstance(content, list):
+        texts = [
+            p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+        ]
+    else:
+        return None
+    for text in texts:
+        at = text.find(PROMPT_SCRIPT_MARKER)
+        if at < 0:
+            continue
+        start = at + len(PROMPT_SCRIPT_MARKER)
+        start += len(text[start:]) - len(text[start:].lstrip())
+        try:
+            value, _ = json.JSONDecoder().raw_decode(text, start)
+        except ValueError as exc:
+            raise EngineError(
+                400, f"The `{PROMPT_SCRIPT_MARKER}` script in the prompt is not JSON: {exc}"
+            ) from exc
+        return value
+    return None
 
 
 def _seed(body: dict[str, Any], prompt_ids: Sequence[int]) -> int:
@@ -398,7 +456,7 @@ def _plan(r: SimRenderer, body: dict[str, Any], *, chat: bool, request_id: str) 
         prompt_ends_in_think=ends_in_think,
         min_tokens=min_tokens,
     )
-    script = _script(body)
+    script = _script(body, r.config.prompt_scripts)
     if stop is None and script is not None and script.finish_reason == "length":
         # The engine reports ``length`` when it stops at its limit: make the script's end one.
         if max_tokens is not None:
@@ -426,6 +484,11 @@ def _plan(r: SimRenderer, body: dict[str, Any], *, chat: bool, request_id: str) 
         model=str(body.get("model") or r.config.served_model_name),
         stream=stream,
         include_usage=bool(isinstance(opts, dict) and opts.get("include_usage")),
+        continuous_usage=bool(
+            isinstance(opts, dict)
+            and opts.get("include_usage")
+            and opts.get("continuous_usage_stats")
+        ),
         return_token_ids=bool(body.get("return_token_ids")),
         parse_tools=bool(tools) and tool_choice != "none",
         tools=tools,
