@@ -5,7 +5,8 @@ Claude Code is installed from npm once into ``~/.cache/agentkv/harness/claude-co
 the test is skipped only when npm cannot reach its registry. Claude Code sends no body field of
 ours, so the simulators run with ``--prompt-scripts``: the prompt carries the script of the
 model's answers (two Bash tool calls, then a text answer), and Claude Code really runs the tools.
-``ANTHROPIC_CUSTOM_HEADERS`` gives the session its conversation id.
+Nothing names the conversation but Claude Code itself: its ``X-Claude-Code-Session-Id`` (and the
+``session_id`` in its ``metadata.user_id``), which the router reads.
 """
 
 from __future__ import annotations
@@ -93,7 +94,6 @@ def test_claude_code_runs_a_three_turn_tool_session_with_reuse(tmp_path):
             "HOME": str(home),
             "ANTHROPIC_BASE_URL": s.router.url,
             "ANTHROPIC_API_KEY": "sk-local",
-            "ANTHROPIC_CUSTOM_HEADERS": "X-Conversation-Id: claude-code-1",
             "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
             "DISABLE_AUTOUPDATER": "1",
         }
@@ -113,6 +113,7 @@ def test_claude_code_runs_a_three_turn_tool_session_with_reuse(tmp_path):
         requests = {
             k: v for k, v in parse_metrics(text, by="decision").items() if "requests_total" in k
         }
+        sources = parse_metrics(text, by="source")
         wrong = s.wrong_kv()
     assert result["is_error"] is False and result["result"] == "All done.", result
     assert result["num_turns"] == 3 and result["stop_reason"] == "end_turn"
@@ -122,4 +123,5 @@ def test_claude_code_runs_a_three_turn_tool_session_with_reuse(tmp_path):
         "agentkv_router_requests_total[miss]": 1,
         "agentkv_router_requests_total[pull]": 2,
     }, requests
+    assert sources["agentkv_router_conversation_sources_total[claude-code]"] == 3, sources
     assert wrong == 0
