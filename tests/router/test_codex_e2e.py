@@ -6,11 +6,10 @@ Responses API, streamed, ``store: false``, with its session id as ``prompt_cache
 (``/work/shared/reference/agent-harnesses.md``).
 
 A simulated model does not call tools on its own, and Codex lets no one add a body field, so the
-tool rounds go through a small scripting proxy on loopback that adds the simulator's
-``agentkv_sim`` field from what Codex sent: a call of Codex's ``exec_command`` tool to the user's
-request, an answer to the tool's output. Codex runs the command itself and sends its whole input
-again, and a second turn (``codex exec resume --last``) sends it all once more: every request
-after the first must pull its predecessor's KV.
+simulators run with ``--prompt-scripts``: the user's prompt carries the model's answers (a call
+of Codex's ``exec_command`` tool, then an answer to the tool's output). Codex runs the command
+itself and sends its whole input again, and a second turn (``codex exec resume --last``) sends
+it all once more: every request after the first must pull its predecessor's KV.
 """
 
 from __future__ import annotations
@@ -19,27 +18,20 @@ import json
 import os
 import shutil
 import subprocess
-import threading
-import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from stack import MODEL, Stack, stack
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
-from starlette.routing import Route
 
-from agentkv.sim.launch import free_port
+from agentkv.protocol.promtext import parse_metrics
 
 pytestmark = pytest.mark.e2e
 
 CODEX = "@openai/codex@0.171.0"
 HARNESS = Path.home() / ".cache" / "agentkv" / "harness"
-_HOP = {"host", "content-length", "connection", "transfer-encoding", "accept-encoding"}
 
 
 def codex_binary() -> Path:
@@ -66,79 +58,6 @@ def codex_binary() -> Path:
     if done.returncode != 0 or not binary.exists():
         pytest.skip(f"npm could not install {CODEX} (registry unreachable?): {done.stderr[-400:]}")
     return binary
-
-
-class ScriptingProxy:
-    """Codex -> this -> the router: adds a simulator script to each ``/responses`` request
-    (chosen from the request's last input item) and records the router's answers."""
-
-    def __init__(self, upstream: str) -> None:
-        self.upstream = upstream
-        self.requests: list[dict[str, Any]] = []
-        self.decisions: list[str] = []
-        self.statuses: list[int] = []
-        app = Starlette(routes=[Route("/{path:path}", self.forward, methods=["GET", "POST"])])
-        import uvicorn
-
-        self.port = free_port()
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
-        )
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self) -> ScriptingProxy:
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert time.monotonic() < deadline, "the scripting proxy did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-
-    @staticmethod
-    def script(body: dict[str, Any]) -> dict[str, Any]:
-        last = (body.get("input") or [{}])[-1]
-        if last.get("type") == "function_call_output":
-            return {"content": "There is one file: notes.txt."}
-        call = {"name": "exec_command", "arguments": {"cmd": "ls"}}
-        return {"reasoning": "I will list the files.", "content": "", "tool_calls": [call]}
-
-    async def forward(self, request: Request) -> Response:
-        raw = await request.body()
-        if request.method == "POST" and request.url.path.endswith("/responses"):
-            body = json.loads(raw)
-            self.requests.append(body)
-            body["agentkv_sim"] = self.script(body)
-            raw = json.dumps(body).encode()
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
-        client = httpx.AsyncClient(timeout=60)
-        upstream = await client.send(
-            client.build_request(
-                request.method, self.upstream + request.url.path, headers=headers, content=raw
-            ),
-            stream=True,
-        )
-        self.statuses.append(upstream.status_code)
-        if "x-agentkv-decision" in upstream.headers:
-            self.decisions.append(upstream.headers["x-agentkv-decision"])
-
-        async def body() -> AsyncIterator[bytes]:
-            try:
-                async for part in upstream.aiter_raw():
-                    yield part
-            finally:
-                await upstream.aclose()
-                await client.aclose()
-
-        passed = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP}
-        return StreamingResponse(body(), status_code=upstream.status_code, headers=passed)
 
 
 @pytest.fixture(scope="module")
@@ -209,26 +128,57 @@ def agent_messages(events: list[dict[str, Any]]) -> list[str]:
     ]
 
 
-def test_codex_exec_tool_rounds_over_two_turns_pull(pd: Stack, tmp_path: Path) -> None:
+SCRIPT = [
+    {
+        "reasoning": "I will list the files.",
+        "content": "",
+        "tool_calls": [{"name": "exec_command", "arguments": {"cmd": "ls"}}],
+    },
+    {"content": "There is one file: notes.txt."},
+]
+"""The simulated model's two answers to each user prompt: a call of Codex's ``exec_command``
+tool, then a text answer after the tool's output."""
+
+
+def test_codex_exec_tool_rounds_over_two_turns_pull(tmp_path: Path) -> None:
+    """Nothing between Codex and the router: the script rides in the user's own prompt
+    (``--prompt-scripts``), and Codex's own session signals name the conversation."""
     binary = codex_binary()
-    with ScriptingProxy(pd.router.url) as proxy:
-        first_turn = run_codex(binary, proxy.url, tmp_path, "List the files here.")
-        second_turn = run_codex(binary, proxy.url, tmp_path, "List them again.", resume=True)
-    assert proxy.statuses == [200] * 4, proxy.statuses
-    first, second, third, fourth = proxy.requests
-    assert all(r["store"] is False for r in proxy.requests)
-    assert {r["prompt_cache_key"] for r in proxy.requests} == {first["prompt_cache_key"]}
-    # Codex ran the command and sent everything again, with the call and its output
-    kinds = [i.get("type") for i in second["input"]]
-    assert kinds[-2:] == ["function_call", "function_call_output"], kinds
-    assert "notes.txt" in json.dumps(second["input"][-1])
-    assert len(fourth["input"]) > len(third["input"]) > len(second["input"])
+    common = ("--time-scale", "0", "--block-size", "16", "--prompt-scripts")
+    (tmp_path / "stack").mkdir()
+    with stack(tmp_path / "stack", common=common) as s:
+        marker = "agentkv_sim: " + json.dumps(SCRIPT)
+        first_turn = run_codex(binary, s.router.url, tmp_path, f"List the files here. {marker}")
+        second_turn = run_codex(
+            binary, s.router.url, tmp_path, f"List them again. {marker}", resume=True
+        )
+        text = httpx.get(f"{s.router.url}/metrics", timeout=10).text
+        wrong = s.wrong_kv()
+    decisions = {
+        k.split("[")[1].rstrip("]"): v
+        for k, v in parse_metrics(text, by="decision").items()
+        if k.startswith("agentkv_router_requests_total[")
+    }
+    sources = {
+        k.split("[")[1].rstrip("]"): v
+        for k, v in parse_metrics(text, by="source").items()
+        if k.startswith("agentkv_router_conversation_sources_total[")
+    }
+    # four requests (two per turn: the call, then the answer to its output), one session:
     # every request after the first reads the KV its predecessor left on D
-    assert proxy.decisions[0] in ("miss", "recompute")
-    assert proxy.decisions[1:] == ["pull", "pull", "pull"], proxy.decisions
+    assert decisions == {"miss": 1, "pull": 3}, decisions
+    assert sum(sources.values()) == 4 and set(sources) <= {"codex", "prompt-cache-key"}, sources
     assert agent_messages(first_turn) == ["There is one file: notes.txt."]
     assert agent_messages(second_turn) == ["There is one file: notes.txt."]
+    commands = [
+        e["item"]
+        for e in [*first_turn, *second_turn]
+        if e.get("type") == "item.completed" and e["item"].get("type") == "command_execution"
+    ]
+    assert len(commands) == 2 and all(
+        "notes.txt" in c.get("aggregated_output", "") for c in commands
+    ), commands
     for events in (first_turn, second_turn):
         (usage,) = [e["usage"] for e in events if e.get("type") == "turn.completed"]
         assert usage["cached_input_tokens"] > 0
-    assert pd.wrong_kv() == 0
+    assert wrong == 0
