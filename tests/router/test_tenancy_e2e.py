@@ -76,7 +76,8 @@ def probed(tmp_path_factory):
 
 def ask(s: Stack, key: str, prompt: str, salt: str | None = None) -> tuple[int, int]:
     """One turn of ``prompt`` alone (no shared system prefix) as ``key``'s tenant, ``salt`` as
-    its ``cache_salt``: (usage ``cached_tokens``, ``X-AgentKV-Local-Prefix-Tokens``)."""
+    its ``cache_salt``: (usage ``cached_tokens``, ``X-AgentKV-Local-Prefix-Tokens`` or -1 when
+    the receipt is estimated)."""
     body: dict[str, Any] = {
         "model": MODEL,
         "messages": [{"role": "user", "content": prompt}],
@@ -92,7 +93,9 @@ def ask(s: Stack, key: str, prompt: str, salt: str | None = None) -> tuple[int, 
     )
     assert r.status_code == 200, r.text
     cached = (r.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    return int(cached), int(r.headers["x-agentkv-local-prefix-tokens"])
+    # L is unknown (the receipt says estimated) until the router's index of P's cache is in
+    # sync: from the first batch of P's events, which the first turn makes
+    return int(cached), int(r.headers.get("x-agentkv-local-prefix-tokens", -1))
 
 
 def long_prompt(tag: str) -> str:
