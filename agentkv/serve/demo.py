@@ -35,7 +35,7 @@ import agentkv
 from agentkv.procs import ProcessError, free_port_range
 from agentkv.protocol.promtext import parse_metrics
 from agentkv.serve import Deployment, ProfileError, check_runtime, expand, load_profile
-from agentkv.serve.checks import port_free
+from agentkv.serve.checks import port_free, probe_router
 from agentkv.serve.ports import engine_ports, with_ports
 from agentkv.serve.supervisor import ServeError, Supervisor, start_router
 
@@ -228,24 +228,6 @@ def _agent(
     return rows
 
 
-def _probe(url: str) -> str:
-    """What answers at the router's URL: ``agentkv`` (agentkv's router, healthy),
-    ``agentkv-unhealthy``, ``none`` (nothing listens), or a description of something else."""
-    try:
-        r = httpx.get(f"{url}/health", timeout=3)
-    except httpx.ConnectError:
-        return "none"
-    except httpx.HTTPError as exc:
-        return f"something that does not answer HTTP ({type(exc).__name__})"
-    try:
-        body = r.json()
-    except ValueError:
-        body = None
-    if isinstance(body, dict) and "status" in body and "store" in body:
-        return "agentkv" if r.status_code == 200 else "agentkv-unhealthy"
-    return f"a server that is not agentkv's router (GET /health: HTTP {r.status_code})"
-
-
 def _running(deployment: Deployment) -> Deployment:
     """``deployment`` with the engines the running router reports (its ``/health``, open
     without tenants), which need not be the profile's (``agentkv serve --base-port``)."""
@@ -282,7 +264,7 @@ def _backend(profile: str = "local", port: int | None = None) -> Iterator[tuple[
     deployment = expand(prof)
     where = f"127.0.0.1:{prof.router.port}"
     hint = "stop it, or run agentkv demo --port N with a free port"
-    found = _probe(deployment.base_url.removesuffix("/v1"))
+    found = probe_router(deployment.base_url.removesuffix("/v1"))
     if found == "agentkv":
         yield _running(deployment), False
         return

@@ -89,6 +89,14 @@ def test_serve_local_on_given_ports(tmp_path: Path) -> None:
             assert httpx.get(f"http://127.0.0.1:{engine}/health", timeout=5).status_code == 200
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).json()
         assert models["data"][0]["id"] == "agentkv-sim"
+        # the same command again: one line that says what is running there
+        again = agentkv(*argv)
+        assert again.returncode == 2 and "Traceback" not in again.stderr
+        assert again.stderr.strip().splitlines() == [
+            f"agentkv serve: a deployment is already running on http://127.0.0.1:{port}/v1 "
+            "(agentkv's router answers there): use it, stop it, or start another with --port N "
+            "--base-port B"
+        ]
         assert proc.stop(30) == 0
 
 
