@@ -11,6 +11,7 @@ TOML or JSON block in another file needs its model named here). README.md's bloc
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,11 @@ from snippets_support import (
 from agentkv.router.config import RouterConfig
 from agentkv.sim.costmodel import CostModel, load_cost_file
 from agentkv.sim.script import SimScript
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
 
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 BLOCKS = [b for path in [ROOT / "README.md", *DOCS] for b in blocks(path)]
@@ -184,3 +190,36 @@ def test_the_checks_can_fail() -> None:
         test_synopsis_names_real_options(
             Block("x.md", 1, "bash", "agentkv plan T [--nope N]\n", "synopsis", "why")
         )
+
+
+def _forbidden(source: str) -> set[str]:
+    """pyproject.toml's import-linter contract for ``source``: the modules it forbids."""
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"][
+        "contracts"
+    ]
+    (contract,) = [c for c in contracts if source in c["source_modules"]]
+    return set(contract["forbidden_modules"])
+
+
+@pytest.mark.parametrize("layer", ["agentkv.router", "agentkv.sim"])
+def test_the_layer_table_names_what_the_contracts_forbid(layer: str) -> None:
+    """docs/architecture.md's "never" column for the router and the simulator is exactly what
+    their import-linter contracts forbid (what it says the contract does not name, it does not)."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    (row,) = [line for line in text.splitlines() if line.startswith(f"| `{layer}` |")]
+    never = row.split(" | ")[2]
+    named, _, unnamed = never.partition(" (its contract does not name ")
+
+    def modules(words: str) -> set[str]:
+        out = set()
+        for word in re.findall(r"`?([\w.]+)`?", words.replace("the SDK's", "")):
+            if word in ("the", "or", "SDK", "s", "other", "modules", "chat", "procs"):
+                if word in ("chat", "procs"):
+                    out.add(f"agentkv.{word}")
+                continue
+            out.add(word if word.startswith("agentkv.") or word == "openai" else f"agentkv.{word}")
+        return out
+
+    forbidden = _forbidden(layer)
+    assert modules(named) == forbidden, modules(named) ^ forbidden
+    assert not modules(unnamed) & forbidden
