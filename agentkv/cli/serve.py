@@ -16,7 +16,7 @@ def _profile_names() -> str:
     """The built-in profiles' names, from the package's files (nothing of serve imported)."""
     from importlib import resources
 
-    folder = resources.files("agentkv").joinpath("serve", "profiles")
+    folder = resources.files("agentkv").joinpath("serve").joinpath("profiles")
     return ", ".join(
         sorted(p.name.removesuffix(".toml") for p in folder.iterdir() if p.name.endswith(".toml"))
     )

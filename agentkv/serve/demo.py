@@ -477,8 +477,8 @@ def _print(console: Console, verified: list[Row], naive: list[Row], unverified: 
     compare.add_column("client", no_wrap=True)
     for col in ("TTFT", "saved", "correct", "wrong KV"):
         compare.add_column(col, justify="right", no_wrap=True)
-    base = {r.turn: r.ttft_ms for r in naive}
-    base_total = sum(base.values())
+    baseline = {r.turn: r.ttft_ms for r in naive}
+    base_total = sum(baseline.values())
     for name, rows in (
         ("agentkv (verified)", verified),
         ("no conversation id", naive),
@@ -486,7 +486,7 @@ def _print(console: Console, verified: list[Row], naive: list[Row], unverified: 
     ):
         wrong = sum(r.wrong_kv for r in rows)
         correct = f"{sum(1 for r in rows if not r.wrong_kv)} of {len(rows)}"
-        saved = sum(base[r.turn] - r.ttft_ms for r in rows if not r.wrong_kv)
+        saved = sum(baseline[r.turn] - r.ttft_ms for r in rows if not r.wrong_kv)
         share = f" ({saved / base_total:.0%})" if base_total else ""
         compare.add_row(
             name,
