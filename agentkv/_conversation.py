@@ -12,10 +12,12 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, overload
 
+import httpx
 import openai
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from typing_extensions import Self
 
+from agentkv._exceptions import ServerCapabilityError
 from agentkv._ledger import Ledger, RenderJob, TurnResult
 from agentkv._receipt import Drift, Mode, RewriteReport, TurnReceipt
 from agentkv._rendering import root_url
@@ -52,6 +54,23 @@ def _not_served(exc: openai.APIStatusError) -> bool:
     if exc.status_code in (404, 405):
         return False
     raise exc
+
+
+def _without_v1(exc: BaseException, base_url: Any, conversation_id: str) -> Exception | None:
+    """A 404 from a base URL with no path (``http://host:8000``, not ``.../v1``): an error that
+    names the ``/v1`` it lacks. None for anything else (the error passes through unchanged)."""
+    if not isinstance(exc, openai.NotFoundError):
+        return None
+    base = str(base_url).rstrip("/")
+    if httpx.URL(base).path.strip("/"):
+        return None
+    request = exc.response.request
+    return ServerCapabilityError(
+        f"{request.method} {request.url} answered 404 ({exc.message}): the base URL {base} has "
+        "no /v1, under which OpenAI-compatible servers (agentkv's router, vLLM) serve the API: "
+        f"use base_url={base + '/v1'!r}",
+        conversation_id=conversation_id,
+    )
 
 
 def _parsed(raw: Any, started: float) -> tuple[ChatCompletion, TurnResult]:
@@ -221,6 +240,9 @@ class Conversation(_BaseConversation["Client"]):
             return completion
         except BaseException as exc:
             self._failed(exc, span)
+            better = _without_v1(exc, client.openai.base_url, self._ledger.id)
+            if better is not None:
+                raise better from exc
             raise
 
     def _render(self) -> list[int] | None:
@@ -290,6 +312,9 @@ class AsyncConversation(_BaseConversation["AsyncClient"]):
             return completion
         except BaseException as exc:
             self._failed(exc, span)
+            better = _without_v1(exc, client.openai.base_url, self._ledger.id)
+            if better is not None:
+                raise better from exc
             raise
 
     async def _render(self) -> list[int] | None:

@@ -180,6 +180,9 @@ def test_local_renderer_without_its_extra_names_it() -> None:
     [
         ("starlette", ["router"]),
         ("uvicorn", ["sim", "--port", "1"]),
+        ("aiohttp", ["router", "--prefill", "http://127.0.0.1:1", "--decode", "http://h:2"]),
+        ("msgspec", ["router", "--prefill", "http://127.0.0.1:1", "--decode", "http://h:2"]),
+        ("zmq", ["sim", "--port", "1"]),
     ],
 )
 def test_cli_without_the_serve_extra_says_so_in_one_line(missing: str, argv: list[str]) -> None:
@@ -192,8 +195,122 @@ def test_cli_without_the_serve_extra_says_so_in_one_line(missing: str, argv: lis
     ]
 
 
-def test_every_extra_module_has_a_hint() -> None:
+# The extras whose packages agentkv imports (the frameworks' are the adapters' own packages;
+# `vllm` is run as a program, never imported; `dev` is the test tools).
+IMPORTED_EXTRAS = ("serve", "tokenizers", "bench", "redis", "otel")
+
+
+def _requirement_name(requirement: str) -> str:
+    return re.split(r"[\s\[<>=!~;]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def _extras_bringing() -> dict[str, set[str]]:
+    """pyproject.toml: distribution -> the extras that install it (through ``vllm-agentkv[...]``
+    self-references too)."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+
+    def dists(extra: str) -> set[str]:
+        out = set()
+        for req in extras[extra]:
+            name = _requirement_name(req)
+            if name == "vllm-agentkv":
+                inner = req[req.index("[") + 1 : req.index("]")]
+                for sub in inner.split(","):
+                    out |= dists(sub.strip())
+            else:
+                out.add(name)
+        return out
+
+    bringing: dict[str, set[str]] = {}
+    for extra in extras:
+        for dist in dists(extra):
+            bringing.setdefault(dist, set()).add(extra)
+    return bringing
+
+
+def _modules(dist: str, base: set[str]) -> set[str]:
+    """The modules an installed distribution provides, from its own metadata: its top-level
+    modules, or ``top.sub`` where the top level is a namespace a base dependency shares."""
+    from importlib import metadata
+
+    files = metadata.files(dist) or []
+    out = set()
+    for f in files:
+        parts = f.parts
+        if len(parts) < 2 or parts[0].endswith((".dist-info", ".libs")) or parts[0] == "..":
+            continue
+        top = parts[0].removesuffix(".py")
+        if top.startswith("_") or "__mypyc" in top or not top.isidentifier():
+            continue
+        if top in base and len(parts) > 2:
+            out.add(f"{top}.{parts[1]}")
+        elif top not in base:
+            out.add(top)
+    return out
+
+
+def test_every_module_an_extra_brings_has_its_hint() -> None:
+    """From pyproject.toml (not from agentkv._extras): each distribution of the extras agentkv
+    imports, through the modules its installed metadata lists, is named by the hint of an
+    extra that brings it; and every module in the table belongs to such an extra."""
+    from importlib import metadata
+
+    bringing = _extras_bringing()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    base = set()
+    for req in project["dependencies"]:
+        base |= _modules(_requirement_name(req), set())
+    conditional = {
+        _requirement_name(r)
+        for reqs in project["optional-dependencies"].values()
+        for r in reqs
+        if ";" in r
+    }
+    checked = {}
+    for dist, extras in sorted(bringing.items()):
+        if not extras & set(IMPORTED_EXTRAS) or dist == "vllm-agentkv":
+            continue
+        try:
+            modules = _modules(dist, base)
+        except metadata.PackageNotFoundError:
+            if dist in conditional:
+                continue  # not for this Python (tomli below 3.11)
+            raise
+        if not modules:
+            continue  # a meta-package (opentelemetry-exporter-otlp): its parts are listed
+        hinted = {m: install_hint(m) for m in modules}
+        named = [m for m, hint in hinted.items() if hint is not None]
+        assert named, f"{dist} (extras {sorted(extras)}): none of {sorted(modules)} has a hint"
+        for m in named:
+            extra = EXTRAS[m if m in EXTRAS else m.partition(".")[0]]
+            assert extra in extras, f"{m} ({dist}) is hinted as [{extra}], brought by {extras}"
+            checked[m] = dist
+    assert {"aiohttp", "msgspec", "zmq", "httptools", "starlette"} <= set(checked), checked
     for module, extra in EXTRAS.items():
+        assert extra in IMPORTED_EXTRAS and extra in project["optional-dependencies"], module
         hint = install_hint(f"{module}.sub")
         assert hint and hint.startswith(f'pip install "vllm-agentkv[{extra}]"'), module
-    assert install_hint("numpy") is None
+    assert install_hint("numpy") is None and install_hint("opentelemetry") is None
+
+
+def test_the_vllm_extra_brings_the_validated_engine() -> None:
+    from agentkv.serve.checks import VALIDATED_VLLM
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    pins = {_requirement_name(r): r.split(";")[0] for r in extras["vllm"]}
+    assert pins["vllm"] == f"vllm=={VALIDATED_VLLM['0.33']}"
+    assert "nixl" in pins
+
+
+@pytest.mark.parametrize("missing", ["starlette", "msgspec", "zmq"])
+def test_sim_without_the_serve_extra_names_it(missing: str) -> None:
+    done = _without([missing], "import agentkv.sim")
+    last = done.stderr.strip().splitlines()[-1]
+    assert last == (
+        f"ModuleNotFoundError: agentkv.sim (the engine simulator) needs the Python package "
+        f'{missing!r}: pip install "vllm-agentkv[serve]"'
+    ), done.stderr

@@ -39,8 +39,9 @@ def plan(
     epoch_rule: Annotated[
         bool,
         typer.Option(
-            help="Model the router before reuse planner v2: a rewrite (new epoch) reads "
-            "nothing back. Default: its verified prefix is read, as the router does."
+            help="Plan as if a rewritten history (a summary, stripped reasoning) read nothing "
+            "back, as a router that drops the handle on every rewrite would. Default: the "
+            "part the rewrite left unchanged is read back, as agentkv's router does."
         ),
     ] = False,
     trace_format: TraceFormat = None,

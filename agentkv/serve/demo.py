@@ -10,7 +10,9 @@
 3. Replay the same turns as a naive client would: without a conversation id (no reuse), then
    with reuse that nobody verifies (vLLM's example-proxy policy, on a second router), counting
    the prompt tokens that ran on KV computed for other tokens (the simulator's wrong-KV
-   counter).
+   counter). The comparison counts TTFT saved only over the turns that read no wrong KV (an
+   answer computed on wrong KV is not the model's), and a note after each rewrite turn says
+   what the rewrite left unchanged. The tables fit 80 columns.
 
 Something else on the router's port (another server, or a port that is merely taken) is one
 line on stderr and exit status 2, never a traceback; ``--port`` picks another port, and busy
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -35,7 +38,7 @@ import agentkv
 from agentkv.procs import ProcessError, free_port_range
 from agentkv.protocol.promtext import parse_metrics
 from agentkv.serve import Deployment, ProfileError, check_runtime, expand, load_profile
-from agentkv.serve.checks import port_free
+from agentkv.serve.checks import port_free, probe_router
 from agentkv.serve.ports import engine_ports, with_ports
 from agentkv.serve.supervisor import ServeError, Supervisor, start_router
 
@@ -112,14 +115,21 @@ SCRIPT: list[tuple[str, dict[str, Any]]] = [
 TURNS = sum(1 for step, _ in SCRIPT if ":" in step)
 REWRITES = {4: "reasoning stripped", 6: "summary"}
 """The turns that follow a rewrite, and what it was."""
-LEGEND = (
-    "decisions: [bold]miss[/] = the router holds no handle for the conversation (its first "
-    "turn, or no conversation id); [bold]pull[/] = P read the verified history's KV back from "
-    "D instead of recomputing it ([bold]trimmed[/]: after a rewrite, only the verified prefix "
-    "of the handle); [bold]stale[/] = a handle the prompt does not extend, released, nothing "
-    "read. [bold]wrong-KV tokens[/] = prompt tokens that ran on KV computed for other tokens "
-    "(silent corruption: vLLM places a handle's blocks by position and checks nothing). "
-    "TTFT = the simulator's modelled time to first token (its cost model, noise-free)."
+DECISIONS = {
+    "miss": "the router holds no handle for the conversation (its first turn, or no "
+    "conversation id)",
+    "pull": "P read the verified history's KV back from D instead of recomputing it "
+    "([bold]trimmed[/]: after a rewrite, only the prefix the rewrite left unchanged)",
+    "stale": "a handle the prompt does not extend, released, nothing read",
+    "local": "P's own prefix cache held what D offered; nothing read",
+    "recompute": "too little to read; recomputed",
+    "expired": "the handle was too close to D's TTL to read",
+}
+FOOTER = (
+    "[bold]wrong KV[/] = prompt tokens that ran on KV computed for other tokens (silent "
+    "corruption: vLLM places a handle's blocks by position and checks nothing); an answer "
+    "computed on them is not the model's, so the TTFT such a turn saves counts for nothing. "
+    "TTFT = the simulator's modelled time to first token (its cost model, noise-free), in ms."
 )
 
 
@@ -139,6 +149,8 @@ class Row:
     wrong_kv: int
     trimmed: bool = False
     wall_ttft_ms: float = 0.0
+    survived: str = ""
+    """After a rewrite: what the rewrite left unchanged at the start of the history."""
 
 
 class _Backend:
@@ -174,15 +186,19 @@ def _agent(
     system = f"[run {label} {time.time_ns()}] {SYSTEM}"
     conv = client.conversation(model=model, system=system, tools=TOOLS)
     pending_call: str | None = None
+    survived = ""
     turn = 0
     for step, script in SCRIPT:
         if step == "strip":
-            conv.strip_reasoning()
+            before_rewrite = list(conv.messages)
+            survived = _survivors(before_rewrite, conv.strip_reasoning().surviving_messages)
             continue
         if step == "summary":
-            conv.compact(
+            before_rewrite = list(conv.messages)
+            report = conv.compact(
                 lambda msgs: "We fixed the expiry margin in the scheduler; tests pass.", keep_last=2
             )
+            survived = _survivors(before_rewrite, report.surviving_messages)
             continue
         kind, text = step.split(":", 1)
         if kind == "tool" and pending_call is not None:
@@ -221,29 +237,28 @@ def _agent(
                 backend.wrong_kv() - before,
                 trimmed=receipt.trim_cause is not None,
                 wall_ttft_ms=ttft,
+                survived=survived,
             )
         )
+        survived = ""
         if on_turn is not None:
             on_turn()
     return rows
 
 
-def _probe(url: str) -> str:
-    """What answers at the router's URL: ``agentkv`` (agentkv's router, healthy),
-    ``agentkv-unhealthy``, ``none`` (nothing listens), or a description of something else."""
-    try:
-        r = httpx.get(f"{url}/health", timeout=3)
-    except httpx.ConnectError:
-        return "none"
-    except httpx.HTTPError as exc:
-        return f"something that does not answer HTTP ({type(exc).__name__})"
-    try:
-        body = r.json()
-    except ValueError:
-        body = None
-    if isinstance(body, dict) and "status" in body and "store" in body:
-        return "agentkv" if r.status_code == 200 else "agentkv-unhealthy"
-    return f"a server that is not agentkv's router (GET /health: HTTP {r.status_code})"
+def _survivors(messages: list[dict[str, Any]], count: int) -> str:
+    """The first ``count`` messages in words ("the system prompt with the tools and a user
+    message")."""
+    names = {
+        "system": "the system prompt with the tools",
+        "user": "a user message",
+        "assistant": "an answer",
+        "tool": "a tool result",
+    }
+    words = [names.get(str(m.get("role")), "a message") for m in messages[:count]]
+    if len(words) < 2:
+        return words[0] if words else "nothing"
+    return ", ".join(words[:-1]) + " and " + words[-1]
 
 
 def _running(deployment: Deployment) -> Deployment:
@@ -282,7 +297,7 @@ def _backend(profile: str = "local", port: int | None = None) -> Iterator[tuple[
     deployment = expand(prof)
     where = f"127.0.0.1:{prof.router.port}"
     hint = "stop it, or run agentkv demo --port N with a free port"
-    found = _probe(deployment.base_url.removesuffix("/v1"))
+    found = probe_router(deployment.base_url.removesuffix("/v1"))
     if found == "agentkv":
         yield _running(deployment), False
         return
@@ -411,52 +426,85 @@ def _decision(r: Row) -> str:
     return f"{r.decision} (trimmed)" if r.trimmed else r.decision
 
 
+def _turns(rows: list[Row]) -> str:
+    """``"4 and 6"``: the turns of ``rows``."""
+    names = [str(r.turn) for r in rows]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def _table(title: str, caption: str) -> Table:
+    """A table that fits 80 columns: no outer edge, one space between columns."""
+    return Table(
+        title=title,
+        caption=caption,
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        pad_edge=False,
+    )
+
+
 def _print(console: Console, verified: list[Row], naive: list[Row], unverified: list[Row]) -> None:
-    table = Table(title="agentkv: exact ids, one conversation id, verified reuse")
-    for col in (
-        "turn",
-        "TTFT ms",
-        "TTFT saved ms",
-        "prompt tokens",
-        "reused tokens",
-        "decision",
-        "wrong-KV tokens",
-    ):
-        table.add_column(col, justify="right")
+    table = _table(
+        "agentkv: exact ids, one conversation id, verified reuse",
+        "modelled ms; no reuse = the same turn without a conversation id; saved = no reuse - TTFT",
+    )
+    for col in ("turn", "TTFT", "no reuse", "saved", "prompt", "reused", "decision", "wrong KV"):
+        table.add_column(col, justify="right", no_wrap=True)
     for r, base in zip(verified, naive, strict=True):
-        note = f" ({REWRITES[r.turn]})" if r.turn in REWRITES else ""
         table.add_row(
-            f"{r.turn}{note}",
+            str(r.turn),
             f"{r.ttft_ms:.0f}",
+            f"{base.ttft_ms:.0f}",
             f"{base.ttft_ms - r.ttft_ms:.0f}",
-            str(r.prompt_tokens),
-            str(r.reused),
+            f"{r.prompt_tokens:,}",
+            f"{r.reused:,}",
             _decision(r),
             str(r.wrong_kv),
         )
     console.print(table)
-    compare = Table(title="the same turns, three clients")
-    for col in ("client", "total TTFT ms", "TTFT saved", "reused tokens", "wrong-KV tokens"):
-        compare.add_column(col, justify="right")
-    base_total = sum(r.ttft_ms for r in naive)
+    for r in verified:
+        if r.turn in REWRITES:
+            console.print(
+                f"turn {r.turn} ({REWRITES[r.turn]}): {r.reused:,} of {r.prompt_tokens:,} prompt "
+                f"tokens read back: {r.survived}, unchanged by the rewrite; the rest recomputed",
+                highlight=False,
+            )
+    console.print()
+    compare = _table(
+        f"the same {len(verified)} turns, three clients",
+        "TTFT saved against no reuse, over the turns that read no wrong KV",
+    )
+    compare.add_column("client", no_wrap=True)
+    for col in ("TTFT", "saved", "correct", "wrong KV"):
+        compare.add_column(col, justify="right", no_wrap=True)
+    baseline = {r.turn: r.ttft_ms for r in naive}
+    base_total = sum(baseline.values())
     for name, rows in (
         ("agentkv (verified)", verified),
         ("no conversation id", naive),
         ("reuse without verification", unverified),
     ):
         wrong = sum(r.wrong_kv for r in rows)
-        total = sum(r.ttft_ms for r in rows)
-        saved = base_total - total
+        correct = f"{sum(1 for r in rows if not r.wrong_kv)} of {len(rows)}"
+        saved = sum(baseline[r.turn] - r.ttft_ms for r in rows if not r.wrong_kv)
+        share = f" ({saved / base_total:.0%})" if base_total else ""
         compare.add_row(
             name,
-            f"{total:.0f}",
-            "-"
-            if rows is naive
-            else f"{saved:.0f} ms ({saved / base_total:.0%})"
-            if base_total
-            else "-",
-            str(sum(r.reused for r in rows)),
-            f"[red]{wrong}[/]" if wrong else "0",
+            f"{sum(r.ttft_ms for r in rows):.0f}",
+            "-" if rows is naive else f"{saved:.0f}{share}",
+            f"[red]{correct}[/]" if wrong else correct,
+            f"[red]{wrong:,}[/]" if wrong else "0",
         )
     console.print(compare)
-    console.print(LEGEND)
+    bad = [r for r in unverified if r.wrong_kv]
+    if bad:
+        console.print(
+            f"reuse without verification: turn{'s' if len(bad) > 1 else ''} {_turns(bad)} ran on"
+            f" KV computed for other tokens ({sum(r.wrong_kv for r in bad):,} prompt tokens): "
+            "faster, and wrong",
+            highlight=False,
+        )
+    console.print()
+    seen = {r.decision for rows in (verified, naive, unverified) for r in rows}
+    legend = "; ".join(f"[bold]{d}[/] = {text}" for d, text in DECISIONS.items() if d in seen)
+    console.print(f"decisions: {legend}. {FOOTER}")

@@ -27,7 +27,8 @@ class SimConfig(BaseModel):
     names the instance (metrics, ``/v1/models``)."""
     served_model_name: str = "agentkv-sim"
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: int = 8100
+    """The engines' first port in the profiles; the router's default is 8000."""
     template: str | None = None
     """Path to a Jinja chat template; default: the tokenizer's own, else a Qwen3 template."""
     tokenizer: str | None = None

@@ -38,6 +38,10 @@ DEFAULTS = [
     ("calibrate", "[the server's first]"),
     ("profiles render", "[default: argv]"),
     ("demo", "[default: the profile's, 8000 for local]"),
+    ("sim", "HTTP port (127.0.0.1 unless --host). [default: 8100]"),  # not the router's 8000
+    ("sim", "Cost model preset: zero | laptop | qwen3-32b-p5en | glm-5-fp8-p5en."),
+    ("serve", "A built-in profile (cpu-tiny, glm-5-fp8-1p1d,"),
+    ("demo", "local (simulated engines) or a vLLM profile"),
 ]
 
 
@@ -83,3 +87,19 @@ def test_top_level_help_rewraps_docstrings() -> None:
     joined = flat(text)
     assert "compare verified reuse with a naive client" in joined
     assert "pull time per block and decode time per token on a live deployment" in joined
+
+
+@pytest.mark.parametrize("argv", COMMANDS, ids=lambda a: " ".join(a))
+def test_help_points_only_to_what_a_pip_user_has(argv: list[str]) -> None:
+    """The wheel ships no docs/ and no reference/: help names neither, nor internal jargon."""
+    text = flat(help_text(*argv))
+    for word in ("docs/", ".md", "reference/", "planner v2"):
+        assert word not in text, (argv, word)
+
+
+def test_serve_help_names_every_built_in_profile() -> None:
+    from agentkv.serve import builtin_profiles
+
+    text = flat(help_text("serve", "--help"))
+    for name in builtin_profiles():
+        assert name in text, name

@@ -177,6 +177,30 @@ def test_unknown_model_is_the_servers_404(client):
         conv.create(max_tokens=4)
 
 
+@pytest.mark.parametrize("suffix", ["", "/"])
+def test_a_base_url_without_v1_says_so(sim, suffix):
+    """The first turn's 404 names the /v1 the base URL lacks (sync and async alike)."""
+    with agentkv.Client(base_url=f"{sim.url}{suffix}", api_key="k") as c:
+        conv = c.conversation(model="sim")
+        conv.add_user("hi")
+        with pytest.raises(agentkv.ServerCapabilityError) as caught:
+            conv.create(max_tokens=4)
+    message = str(caught.value)
+    assert f"the base URL {sim.url} has no /v1" in message, message
+    assert f"use base_url='{sim.url}/v1'" in message and "answered 404" in message
+    assert isinstance(caught.value.__cause__, openai.NotFoundError)
+    assert conv.receipts == [] and caught.value.conversation_id == conv.id
+
+
+@pytest.mark.anyio
+async def test_a_base_url_without_v1_says_so_async(sim):
+    async with agentkv.AsyncClient(base_url=sim.url, api_key="k") as c:
+        conv = c.conversation(model="sim")
+        conv.add_user("hi")
+        with pytest.raises(agentkv.ServerCapabilityError, match=r"has no /v1"):
+            await conv.create(max_tokens=4, stream=True)
+
+
 def test_close_without_router_returns_false(client):
     conv = client.conversation(model="sim")
     assert conv.close() is False

@@ -89,6 +89,14 @@ def test_serve_local_on_given_ports(tmp_path: Path) -> None:
             assert httpx.get(f"http://127.0.0.1:{engine}/health", timeout=5).status_code == 200
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).json()
         assert models["data"][0]["id"] == "agentkv-sim"
+        # the same command again: one line that says what is running there
+        again = agentkv(*argv)
+        assert again.returncode == 2 and "Traceback" not in again.stderr
+        assert again.stderr.strip().splitlines() == [
+            f"agentkv serve: a deployment is already running on http://127.0.0.1:{port}/v1 "
+            "(agentkv's router answers there): use it, stop it, or start another with --port N "
+            "--base-port B"
+        ]
         assert proc.stop(30) == 0
 
 
@@ -237,6 +245,42 @@ def test_demo_claims() -> None:
     assert check(slower, naive, unverified) == [
         "agentkv's modelled TTFT is not below the naive client's"
     ]
+
+
+def test_demo_tables_tell_the_truth_at_80_columns() -> None:
+    """The comparison counts TTFT saved only over turns that read no wrong KV, names those
+    turns, says what survived each rewrite, explains only the decisions shown, and no cell
+    wraps or is cut at 80 columns."""
+    from rich.console import Console
+
+    from agentkv.serve.demo import Row, _print
+
+    def rows(label: str, ttft: list[float], decisions: str, wrong: list[int]) -> list[Row]:
+        return [
+            Row(t, label, ms, 3000 + t, 2900, d.rstrip("*"), w, trimmed=d.endswith("*"),
+                survived="the system prompt with the tools" if t == 6 else "a user message")
+            for t, (ms, d, w) in enumerate(zip(ttft, decisions.split(), wrong, strict=True), 1)
+        ]  # fmt: skip
+
+    verified = rows(
+        "agentkv", [187, 46, 43, 57, 42, 40], "miss pull pull pull* pull pull*", [0] * 6
+    )
+    naive = rows("no-id", [187, 177, 181, 187, 188, 170], "miss " * 6, [0] * 6)
+    unverified = rows(
+        "u", [187, 46, 43, 40, 40, 40], "miss pull pull pull pull pull", [0, 0, 0, 9, 9, 9]
+    )
+    console = Console(width=80, record=True, color_system=None)
+    _print(console, verified, naive, unverified)
+    text = console.export_text()
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80
+    compare = {line.split("  ")[0]: line.split() for line in text.splitlines()}
+    assert compare["agentkv (verified)"][2:5] == ["415", "675", "(62%)"]
+    # unverified: 398 ms in all, but only turns 1-3 (131 + 138 ms) read the right KV
+    assert compare["reuse without verification"][3:8] == ["396", "269", "(25%)", "3", "of"]
+    words = " ".join(text.split())  # the notes are prose: wrapped where the console ends
+    assert "turns 4, 5 and 6 ran on KV computed for other tokens (27 prompt tokens)" in words
+    assert "turn 6 (summary): 2,900 of 3,006 prompt tokens read back: the system prompt" in words
+    assert "miss =" in words and "pull =" in words and "stale =" not in words
 
 
 @pytest.mark.e2e
