@@ -298,7 +298,8 @@ class Router:
     def _choose_prefill(
         self, req: ClientRequest, ids: list[int], need_bidirectional: bool
     ) -> tuple[Upstream | None, int | None]:
-        """(P, L): with KV events, the P with the longest local prefix (ties: affinity, load)."""
+        """(P, L): with KV events, the P with the longest local prefix (ties: the affinity P,
+        else configuration order)."""
         preferred = pick_prefill(
             self.pool.prefill,
             req.conversation_id,
