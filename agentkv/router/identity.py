@@ -97,7 +97,8 @@ never kept); the messages before the last answer differ from what the client sen
 last assistant message differs from what the engine returned; the model, tools or template
 differ; request options the probes do not cover (``add_generation_prompt: false``,
 ``continue_final_message``, ``add_special_tokens``, nothing after the answer); the template
-does not let new messages render on their own; the probes' ``/tokenize`` failed; no
+does not let new messages render on their own (or refused a probe: a 4xx); the probes'
+``/tokenize`` failed otherwise (the engine); no
 conversation id; the client sent its own ids; ``keep_token_identity`` off."""
 
 Ask = Callable[[str, dict[str, Any]], Awaitable[Any]]
@@ -113,6 +114,29 @@ _PROBE_CACHE = 1024
 # -- digests --------------------------------------------------------------------------------------
 def _digest(data: bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=_DIGEST).digest()
+
+
+def _canonical_digest(value: Any) -> bytes:
+    """The digest of a JSON value with sorted keys: orjson's text, or for a value nested past
+    its depth (orjson reads 1024 levels, writes 254) a walk without recursion."""
+    try:
+        return _digest(orjson.dumps(value, option=orjson.OPT_SORT_KEYS))
+    except TypeError:
+        pass
+    h = hashlib.blake2b(digest_size=_DIGEST, person=b"deep")
+    stack: list[Any] = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            h.update(b"{%d" % len(item))
+            for k in sorted(item, reverse=True):
+                stack += [item[k], str(k)]
+        elif isinstance(item, list):
+            h.update(b"[%d" % len(item))
+            stack += reversed(item)
+        else:
+            h.update(b"%d:" % len(repr(item)) + repr(item).encode())
+    return h.digest()
 
 
 def _content(content: Any) -> Any:
@@ -170,8 +194,7 @@ def _normalized(message: Mapping[str, Any]) -> dict[str, Any]:
 def message_digest(message: Any) -> bytes:
     """A message's digest (:func:`_normalized`; anything that is not a message digests as
     itself)."""
-    data = _normalized(message) if isinstance(message, Mapping) else message
-    return _digest(orjson.dumps(data, option=orjson.OPT_SORT_KEYS))
+    return _canonical_digest(_normalized(message) if isinstance(message, Mapping) else message)
 
 
 def answer_digest(message: Mapping[str, Any]) -> bytes:
@@ -183,8 +206,7 @@ def answer_digest(message: Mapping[str, Any]) -> bytes:
 def context_digest(body: Mapping[str, Any]) -> bytes:
     """What the rendering depends on besides the messages: model, tools, chat template and
     its kwargs."""
-    data = {k: body.get(k) for k in _CONTEXT_KEYS}
-    return _digest(orjson.dumps(data, option=orjson.OPT_SORT_KEYS))
+    return _canonical_digest({k: body.get(k) for k in _CONTEXT_KEYS})
 
 
 def _prefix_digests(messages: Sequence[Any], counts: set[int]) -> dict[int, bytes]:
@@ -637,15 +659,15 @@ class Identity:
         """Keep an answered turn (nothing without its ids or its message)."""
         if not output_ids or not prompt_ids or message is None:
             return
-        entry = Entry(
-            pending.messages,
-            pending.history,
-            answer_digest(message),
-            pending.context,
-            _ids(prompt_ids),
-            _ids(output_ids),
-        )
         try:
+            entry = Entry(
+                pending.messages,
+                pending.history,
+                answer_digest(message),
+                pending.context,
+                _ids(prompt_ids),
+                _ids(output_ids),
+            )
             await self.ledger.put(pending.key, entry, set(pending.replaces))
         except Exception as exc:
             self._failed("identity_put", exc)

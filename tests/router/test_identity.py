@@ -118,6 +118,14 @@ def test_text_parts_and_strings() -> None:
     )
 
 
+def test_messages_nested_past_orjson_s_depth_still_digest() -> None:
+    def nested(leaf: bytes) -> Any:  # as a request body arrives: orjson reads 1024 levels
+        return {"role": "user", "content": orjson.loads(b'{"a":' * 1000 + leaf + b"}" * 1000)}
+
+    assert message_digest(nested(b"1")) == message_digest(nested(b"1"))
+    assert message_digest(nested(b"1")) != message_digest(nested(b"2"))
+
+
 def test_context_is_model_tools_and_template() -> None:
     body = {"model": MODEL, "messages": [], "tools": TOOLS, "temperature": 0.3}
     assert context_digest(body) == context_digest({**body, "temperature": 1, "max_tokens": 5})

@@ -197,6 +197,24 @@ def test_without_identity_the_same_client_drifts(tmp_path: Any) -> None:
         assert s.wrong_kv() == 0
 
 
+def test_streams_re_streamed_from_vllm_032_keep_identity(tmp_path: Any) -> None:
+    """D without the handle on streams: the router reads D whole and re-streams it; the
+    message it keeps is the non-streamed answer's."""
+    with stack(
+        tmp_path,
+        p_args=NO_P_CACHE,
+        d_args=(("--compat", "0.32"),),
+        backend={"handle_on_stream": False},
+    ) as s:
+        chat = PlainChat(s.router.url, "vllm-032")
+        try:
+            turns = _four_turns(chat, (True, True, True, True))
+        finally:
+            chat.close()
+        _assert_kept(turns)
+        assert s.wrong_kv() == 0
+
+
 @pytest.mark.parametrize("change", ["edited", "reasoning-stripped"])
 def test_a_changed_answer_is_rendered_as_the_client_sent_it(pd: Stack, change: str) -> None:
     chat = PlainChat(pd.router.url, f"changed-{change}")
