@@ -1,7 +1,9 @@
 """One turn through P and D, with verified reuse and faults degraded to recompute.
 
-1. **Prompt ids**: the client's exact ids, or P's ``/tokenize`` of the same messages; both P and
-   D then get these ids, so all agree.
+1. **Prompt ids**: the client's exact ids; the conversation's previous prompt + generated ids +
+   the new messages' ids when its history repeats the answer as returned
+   (:mod:`~agentkv.router.identity`); else P's ``/tokenize`` of the same messages. Both P and D
+   then get these ids, so all agree.
 2. **Handle**: the conversation keeps up to K handles (branches); each is verified against the
    prompt by chained block hashes from a root of model + salt, whatever its epoch
    (:func:`~agentkv.router.verify.plan_reuse`). The one with the longest verified prefix C is
