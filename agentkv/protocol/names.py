@@ -28,6 +28,7 @@ __all__ = [
     "HEADER_ECHO_PROMPT_TOKEN_IDS",
     "HEADER_EPOCH",
     "HEADER_ESTIMATED",
+    "HEADER_IDENTITY",
     "HEADER_LEASE",
     "HEADER_LOCAL_PREFIX_TOKENS",
     "HEADER_OPENCODE_SESSION_IDS",
@@ -79,6 +80,10 @@ may have read less because its own prefix cache covered part of it."""
 HEADER_TRIM_CAUSE: Final = "X-AgentKV-Trim-Cause"
 """Why less than the whole handle was usable: ``rewrite`` (the client announced a new epoch) or
 ``drift`` (the prompt diverged without one)."""
+HEADER_IDENTITY: Final = "X-AgentKV-Identity"
+"""Token identity for a client that sent messages: ``kept`` (the prompt is the previous prompt +
+the generated ids + the new messages' ids, as in the SDK's exact mode) or ``rendered:<reason>``
+(the client's messages rendered as sent; reasons in ``agentkv.router.identity.REASONS``)."""
 HEADER_LEASE: Final = "X-AgentKV-Lease"
 """Seconds the router keeps a conversation's handles while its agent lives (renewed by each turn
 or ``POST /v1/conversations/{id}/lease``); when it lapses, D's blocks are released at once."""
@@ -184,3 +189,4 @@ class RouterMetric:
     HANDLES_DROPPED: Final = "agentkv_router_handles_dropped"
     CONVERSATION_SOURCES: Final = "agentkv_router_conversation_sources"
     KV_INDEX_IN_SYNC: Final = "agentkv_router_kv_index_in_sync"
+    IDENTITY_TURNS: Final = "agentkv_router_identity_turns"

@@ -39,6 +39,7 @@ from agentkv.protocol.names import RouterMetric
 from agentkv.router.config import RouterConfig
 from agentkv.router.guard import GuardedStore
 from agentkv.router.http import TransportError
+from agentkv.router.identity import Identity, RedisLedger
 from agentkv.router.kv_index import KVEventSubscriber, PrefixIndex
 from agentkv.router.leases import MemoryLeases, RedisLeases
 from agentkv.router.logs import safe
@@ -143,8 +144,31 @@ def create_app(
         if isinstance(inner, RedisStore)
         else MemoryLeases()
     )
+    identity = (
+        Identity(
+            RedisLedger(
+                inner.client,
+                prefix=inner.prefix,
+                per_conversation=config.identity_max_tokens_per_conversation,
+                branches=config.handles_per_conversation,
+                ttl_s=config.router_ttl_s,
+            ),
+            enabled=config.keep_token_identity,
+            on_error=lambda op: metrics.store_errors.labels(op).inc(),
+        )
+        if isinstance(inner, RedisStore)
+        else None  # the router's own memory ledger
+    )
     indexes, subscribers = kv_event_indexes(config)
-    router = Router(config, pool, the_store, metrics, local_prefix=indexes, leases=leases)
+    router = Router(
+        config,
+        pool,
+        the_store,
+        metrics,
+        local_prefix=indexes,
+        leases=leases,
+        identity=identity,
+    )
     responses = ResponsesAPI(config, router, response_store(config, inner), tenancy)
 
     @contextlib.asynccontextmanager

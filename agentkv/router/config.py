@@ -228,6 +228,19 @@ class RouterConfig(BaseModel):
     """Memory: at most this many bytes of stored responses per tenant (a stored response holds
     its whole chain's items)."""
 
+    # -- token identity for clients that send messages (agentkv.router.identity) -------------------
+    keep_token_identity: bool = True
+    """When a chat request's history repeats the conversation's previous answer as the engine
+    returned it, prompt with the previous prompt's ids + the generated ids + the new messages'
+    ids (the SDK's exact mode), so the answer is pulled too instead of trimmed as drift. False:
+    every request's messages are rendered whole."""
+    identity_max_tokens_per_conversation: int = Field(262_144, ge=1)
+    """Token ids kept per conversation (its branches together, up to
+    ``handles_per_conversation`` of them); a longer turn is not kept (the next is rendered)."""
+    identity_max_tokens: int = Field(16_777_216, ge=1)
+    """Token ids kept in all by the memory ledger (4 bytes each; least recently used
+    conversations go first). With a Redis store the entries live in Redis, with the router TTL."""
+
     @model_validator(mode="after")
     def _check_hardening(self) -> RouterConfig:
         tenant_keys = {k for t in self.tenants for k in t.api_keys}

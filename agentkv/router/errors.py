@@ -1,8 +1,9 @@
-"""The error a request gets when the router answers it itself (OpenAI's error shape)."""
+"""The error a request gets when the router answers it itself (OpenAI's error shape), and an
+engine's own client error passed on unchanged."""
 
 from __future__ import annotations
 
-__all__ = ["RouterError"]
+__all__ = ["RouterError", "UpstreamError"]
 
 
 class RouterError(Exception):
@@ -16,3 +17,11 @@ class RouterError(Exception):
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.close = status, message, param, close
+
+
+class UpstreamError(Exception):
+    """An engine's own client error (4xx), passed to the client unchanged."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__(status)
+        self.status, self.body = status, body

@@ -135,6 +135,13 @@ class RouterMetrics:
         "state L; 0: L unknown, receipts say estimated.",
         ("url",),
     )
+    identity = Family(
+        Counter,
+        R.IDENTITY_TURNS,
+        "Chat turns by token identity: kept (previous prompt + generated ids + new messages), "
+        "or the reason the client's messages were rendered.",
+        ("outcome",),
+    )
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)

@@ -1,7 +1,9 @@
 """One turn through P and D, with verified reuse and faults degraded to recompute.
 
-1. **Prompt ids**: the client's exact ids, or P's ``/tokenize`` of the same messages; both P and
-   D then get these ids, so all agree.
+1. **Prompt ids**: the client's exact ids; the conversation's previous prompt + generated ids +
+   the new messages' ids when its history repeats the answer as returned
+   (:mod:`~agentkv.router.identity`); else P's ``/tokenize`` of the same messages. Both P and D
+   then get these ids, so all agree.
 2. **Handle**: the conversation keeps up to K handles (branches); each is verified against the
    prompt by chained block hashes from a root of model + salt, whatever its epoch
    (:func:`~agentkv.router.verify.plan_reuse`). The one with the longest verified prefix C is
@@ -40,8 +42,10 @@ from agentkv.protocol import HEADER_SIM_ENGINE_ID, KVTransferParams
 from agentkv.protocol import kv_transfer as kvt
 from agentkv.protocol.http import ORJSONResponse
 from agentkv.router.config import RouterConfig
+from agentkv.router.errors import UpstreamError
 from agentkv.router.guard import GuardedStore
 from agentkv.router.http import Timeout, TransportError
+from agentkv.router.identity import Identity, MemoryLedger, Pending, Resolved
 from agentkv.router.leases import Leases, MemoryLeases
 from agentkv.router.logs import safe
 from agentkv.router.metrics import RouterMetrics
@@ -60,14 +64,6 @@ __all__ = ["LocalPrefix", "Receipt", "Router", "UpstreamError"]
 log = logging.getLogger("agentkv.router")
 _tracer = trace.get_tracer("agentkv.router")
 _LOCAL_HOSTS = {"", "localhost", "127.0.0.1", "0.0.0.0", "::1"}
-
-
-class UpstreamError(Exception):
-    """An engine's own client error (4xx), passed to the client unchanged."""
-
-    def __init__(self, status: int, body: bytes) -> None:
-        super().__init__(status)
-        self.status, self.body = status, body
 
 
 class LocalPrefix(Protocol):
@@ -122,8 +118,19 @@ class Router:
         *,
         local_prefix: Mapping[str, LocalPrefix] | None = None,
         leases: Leases | None = None,
+        identity: Identity | None = None,
     ) -> None:
         self.config, self.pool, self.store, self.metrics = config, pool, store, metrics
+        self.identity = identity or Identity(
+            MemoryLedger(
+                max_tokens=config.identity_max_tokens,
+                per_conversation=config.identity_max_tokens_per_conversation,
+                branches=config.handles_per_conversation,
+                ttl_s=config.router_ttl_s,
+            ),
+            enabled=config.keep_token_identity,
+            on_error=lambda op: metrics.store_errors.labels(op).inc(),
+        )
         self.local_prefix: dict[str, LocalPrefix] = dict(local_prefix or {})
         """P url -> its prefix index (only P's whose KV events the router reads)."""
         self.relay = Relay(drain_timeout_s=config.drain_timeout_s, max_drains=config.max_drains)
@@ -218,6 +225,7 @@ class Router:
 
     async def close_conversation(self, tenant: str, conversation_id: str) -> bool:
         await self.retention.drop((tenant, conversation_id))
+        await self.identity.drop((tenant, conversation_id))
         handles = await self.store.delete((tenant, conversation_id))
         for handle in handles:
             await self.release(handle, "closed")
@@ -227,8 +235,6 @@ class Router:
     async def prompt_ids(self, req: ClientRequest) -> list[int]:
         if req.prompt_ids is not None:
             return req.prompt_ids
-        engines = self.pool.prefill if self.config.tokenize_with == "prefill" else self.pool.decode
-        candidates = [e for e in engines if e.healthy] or list(engines)
         body: dict[str, Any]
         if req.chat:
             keys = (
@@ -248,22 +254,29 @@ class Router:
             }
             if isinstance(body.get("prompt"), list):
                 body["prompt"] = body["prompt"][0]
+        return [int(t) for t in (await self.ask_tokenizer("/tokenize", body))["tokens"]]
+
+    async def ask_tokenizer(self, path: str, body: dict[str, Any]) -> Any:
+        """The JSON answer of a tokenizing instance (``tokenize_with``) to ``POST path``, tried
+        on ``retries`` more when one fails; its 4xx is the client's error."""
+        engines = self.pool.prefill if self.config.tokenize_with == "prefill" else self.pool.decode
+        candidates = [e for e in engines if e.healthy] or list(engines)
         last: Exception | None = None
         tries = [candidates[i % len(candidates)] for i in range(self.config.retries + 1)]
         data = orjson.dumps(body)
         for engine in tries:
             try:
-                r = await engine.client.post("/tokenize", data)
+                r = await engine.client.post(path, data)
             except TransportError as exc:
                 engine.failed(self.config.eject_after_failures)
                 self.metrics.upstream_errors.labels("prefill", "tokenize").inc()
                 last = exc
                 continue
             if r.status_code == 200:
-                return [int(t) for t in r.json()["tokens"]]
+                return r.json()
             if r.status_code < 500:
                 raise UpstreamError(r.status_code, r.content)
-            last = RuntimeError(f"/tokenize answered {r.status_code}")
+            last = RuntimeError(f"{path} answered {r.status_code}")
         log.warning("could not tokenize a prompt: %s", safe(repr(last)))
         raise RouterError(503, "Could not tokenize the prompt: no prefill instance answered.")
 
@@ -514,7 +527,8 @@ class Router:
 
     async def _turn(self, req: ClientRequest, span: trace.Span) -> Response:
         started = time.perf_counter()
-        ids = await self.prompt_ids(req)
+        kept: Resolved = await self.identity.resolve(req, self.ask_tokenizer)
+        ids = kept.ids if kept.ids is not None else await self.prompt_ids(req)
         self._check_context(req, len(ids))
         key: StoreKey | None = (req.tenant, req.conversation_id) if req.conversation_id else None
         if key is not None and req.lease_s is not None:
@@ -541,8 +555,9 @@ class Router:
             if engine is None:
                 raise RouterError(503, "No healthy decode instance.")
             tried.add(engine.url)
+            pre.receipt = replace(pre.receipt, identity=kept.outcome)
             try:
-                response = await self._decode(req, hashes, pre, engine, key, started)
+                response = await self._decode(req, hashes, pre, engine, key, started, kept.pending)
             except _BeforeFirstByte:
                 self.metrics.retries.labels("decode_error").inc()
                 continue
@@ -559,6 +574,7 @@ class Router:
         engine: Upstream,
         key: StoreKey | None,
         started: float,
+        pending: Pending | None = None,
     ) -> Response:
         ids = hashes.prompt
         body = req.copy_body()
@@ -616,7 +632,7 @@ class Router:
             captured = clean_response(
                 data, keep_ids=req.wants_token_ids, keep_prompt_ids=req.wants_prompt_ids
             )
-            await self._remember(req, key, hashes, captured, engine)
+            await self._remember(req, key, hashes, captured, engine, pending)
             self.metrics.turn_seconds.labels(pre.receipt.decision).observe(
                 time.perf_counter() - started
             )
@@ -632,7 +648,7 @@ class Router:
         engine.ok()
 
         async def on_handle(captured: Captured) -> None:
-            await self._remember(req, key, hashes, captured, engine)
+            await self._remember(req, key, hashes, captured, engine, pending)
 
         def on_end(outcome: StreamOutcome) -> None:
             engine.outstanding_requests -= 1
@@ -655,6 +671,7 @@ class Router:
             keep_prompt_ids=req.wants_prompt_ids,
             on_handle=on_handle,
             on_end=on_end,
+            accumulate=pending is not None,
         )
         return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
 
@@ -679,7 +696,13 @@ class Router:
         prompt: PromptHashes,
         captured: Captured,
         engine: Upstream,
+        pending: Pending | None = None,
     ) -> None:
+        if pending is not None:
+            # before the client can see the end of the turn (and send the next one)
+            await self.identity.record(
+                pending, prompt.prompt, captured.output_ids, captured.assistant_message()
+            )
         handle = captured.handle
         try:
             parsed = KVTransferParams.from_wire(handle) if handle else None

@@ -13,6 +13,7 @@ from opentelemetry import trace
 from agentkv.protocol import (
     HEADER_DECISION,
     HEADER_ESTIMATED,
+    HEADER_IDENTITY,
     HEADER_LOCAL_PREFIX_TOKENS,
     HEADER_REUSED_TOKENS,
     HEADER_SIM_MODEL_TTFT_MS,
@@ -41,6 +42,8 @@ class Receipt:
     local: int | None
     """L (None: unknown, P's KV events are off)."""
     cause: str | None
+    identity: str | None = None
+    """``kept`` or ``rendered:<reason>`` (chat turns; :mod:`agentkv.router.identity`)."""
 
     def headers(self) -> dict[str, str]:
         out = {
@@ -54,6 +57,8 @@ class Receipt:
             out[HEADER_LOCAL_PREFIX_TOKENS] = str(self.local)
         if self.cause:
             out[HEADER_TRIM_CAUSE] = self.cause
+        if self.identity:
+            out[HEADER_IDENTITY] = self.identity
         return out
 
 
@@ -100,6 +105,8 @@ def account(
         metrics.local_prefix_tokens.inc(r.local)
     if r.cause:
         metrics.trimmed.labels(r.cause).inc()
+    if r.identity:
+        metrics.identity.labels(r.identity.removeprefix("rendered:")).inc()
     metrics.conversation_sources.labels(req.conversation_source).inc()
     span.set_attributes(
         {
@@ -108,6 +115,7 @@ def account(
             "agentkv.reused_tokens": r.reused,
             "agentkv.verified_prefix_tokens": r.verified,
             "agentkv.local_prefix_tokens": -1 if r.local is None else r.local,
+            "agentkv.identity": r.identity or "",
             "agentkv.prompt_tokens": len(ids),
             "agentkv.prefill.url": prefill_url,
             "agentkv.decode.url": decode_url,

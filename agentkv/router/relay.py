@@ -68,15 +68,18 @@ class Relay:
         on_handle: Callable[[Captured], Awaitable[None]],
         on_end: Callable[[StreamOutcome], None],
         keep_prompt_ids: bool | None = None,
+        accumulate: bool = False,
     ) -> AsyncIterator[bytes]:
         """The client's SSE bytes; D is read by a task of its own. ``keep_prompt_ids`` (default
-        ``keep_ids``): pass D's echo of the prompt's ids."""
+        ``keep_ids``): pass D's echo of the prompt's ids. ``accumulate``: keep the assistant
+        message (``Captured.answer``) for token identity."""
         queue: asyncio.Queue[bytes | None] = asyncio.Queue()
         outcome = StreamOutcome()
         events = EventRelay(
             Captured(),
             keep_ids=keep_ids,
             keep_prompt_ids=keep_ids if keep_prompt_ids is None else keep_prompt_ids,
+            accumulate=accumulate,
         )
         task = asyncio.ensure_future(
             self._read(upstream, queue, outcome, events, on_handle=on_handle)

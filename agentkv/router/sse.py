@@ -17,7 +17,7 @@ to the client in one write.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +26,7 @@ import orjson
 from agentkv.protocol.http import sse
 
 __all__ = [
+    "Answer",
     "Captured",
     "EventRelay",
     "clean_response",
@@ -41,6 +42,61 @@ _IDS = re.compile(rb'([{,]\s*)"((?:prompt_)?token_ids)"(\s*:\s*)(\[[^\]]*\])')
 _DONE = b"data: [DONE]"
 
 
+class Answer:
+    """A streamed chat answer's assistant message, accumulated from its deltas as a client
+    accumulates them (openai-python's rule: strings concatenated, tool calls by ``index``)."""
+
+    __slots__ = ("calls", "content", "reasoning")
+
+    def __init__(self) -> None:
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.calls: dict[int, dict[str, list[str]]] = {}
+
+    def feed(self, delta: Mapping[str, Any]) -> None:
+        content = delta.get("content")
+        if isinstance(content, str):
+            self.content.append(content)
+        reasoning = delta.get("reasoning")
+        if reasoning is None:
+            reasoning = delta.get("reasoning_content")
+        if isinstance(reasoning, str):
+            self.reasoning.append(reasoning)
+        for i, call in enumerate(delta.get("tool_calls") or ()):
+            if not isinstance(call, Mapping):
+                continue
+            index = call.get("index")
+            slot = self.calls.setdefault(
+                index if isinstance(index, int) else i, {"id": [], "name": [], "arguments": []}
+            )
+            fn = call.get("function")
+            fn = fn if isinstance(fn, Mapping) else {}
+            for part, value in (
+                ("id", call.get("id")),
+                ("name", fn.get("name")),
+                ("arguments", fn.get("arguments")),
+            ):
+                if isinstance(value, str):
+                    slot[part].append(value)
+
+    def message(self) -> dict[str, Any]:
+        msg: dict[str, Any] = {
+            "role": "assistant",
+            "content": "".join(self.content) or None,
+            "reasoning": "".join(self.reasoning) or None,
+        }
+        if self.calls:
+            msg["tool_calls"] = [
+                {
+                    "id": "".join(c["id"]),
+                    "type": "function",
+                    "function": {"name": "".join(c["name"]), "arguments": "".join(c["arguments"])},
+                }
+                for _, c in sorted(self.calls.items())
+            ]
+        return msg
+
+
 @dataclass
 class Captured:
     """What the router keeps from D's answer."""
@@ -49,6 +105,16 @@ class Captured:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
+    message: dict[str, Any] | None = None
+    """A non-streamed chat answer's assistant message."""
+    answer: Answer | None = None
+    """A streamed chat answer's, accumulated when the relay is asked to."""
+
+    def assistant_message(self) -> dict[str, Any] | None:
+        """The assistant message the client received (None: not kept)."""
+        if self.answer is not None:
+            return self.answer.message()
+        return self.message
 
 
 def _strip(obj: dict[str, Any], keep_ids: bool, keep_prompt_ids: bool) -> None:
@@ -94,6 +160,8 @@ def clean_response(
     if choices:
         captured.output_ids = list(choices[0].get("token_ids") or [])
         captured.finish_reason = choices[0].get("finish_reason")
+        message = choices[0].get("message")
+        captured.message = dict(message) if isinstance(message, dict) else None
     _strip(body, keep_ids, keep_ids if keep_prompt_ids is None else keep_prompt_ids)
     return captured
 
@@ -104,13 +172,25 @@ class EventRelay:
     ``feed`` takes what one read returned and gives back the bytes of the complete events in
     it, cleaned (empty while an event is incomplete); ``close`` what is left at the end. The
     handle is captured before the bytes of its event are returned, so the router can store it
-    before the client sees the end of the turn."""
+    before the client sees the end of the turn.
 
-    def __init__(self, captured: Captured, *, keep_ids: bool, keep_prompt_ids: bool) -> None:
+    ``accumulate``: also read every event's delta into ``captured.answer`` (the assistant
+    message, for token identity: one parse per event, the bytes still pass unchanged)."""
+
+    def __init__(
+        self,
+        captured: Captured,
+        *,
+        keep_ids: bool,
+        keep_prompt_ids: bool,
+        accumulate: bool = False,
+    ) -> None:
         self.captured = captured
         self.keep_ids, self.keep_prompt_ids = keep_ids, keep_prompt_ids
         self.done = False
         self._pending = b""
+        if accumulate:
+            captured.answer = Answer()
 
     def feed(self, data: bytes) -> bytes:
         if b"\r" in data:
@@ -130,6 +210,8 @@ class EventRelay:
     def _block(self, block: bytes) -> bytes:
         if _DONE in block:
             self.done = True
+        if self.captured.answer is not None:
+            self._deltas(block, self.captured.answer)
         if _SET.search(block) is None:
             return self._ids(block)
         # some event carries the handle, a finish_reason or usage: those are parsed
@@ -156,6 +238,21 @@ class EventRelay:
                     )
                     out.append(sse(chunk))
         return b"".join(out)
+
+    @staticmethod
+    def _deltas(block: bytes, answer: Answer) -> None:
+        for line in block.split(b"\n"):
+            if not line.startswith(b"data: {"):
+                continue
+            try:
+                chunk = orjson.loads(line[6:])
+            except orjson.JSONDecodeError:
+                continue
+            choices = chunk.get("choices") if isinstance(chunk, dict) else None
+            if choices and isinstance(choices[0], dict):
+                delta = choices[0].get("delta")
+                if isinstance(delta, dict):
+                    answer.feed(delta)
 
     def _ids(self, block: bytes) -> bytes:
         """Read the output ids of events that need no parse; null the lists the client must
