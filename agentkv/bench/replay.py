@@ -4,7 +4,9 @@ Each session runs as an :class:`agentkv.AsyncConversation` in exact mode: messag
 stripped and rewritten as the script says (:mod:`agentkv.bench.content`), every turn streams
 (the wall-clock TTFT is the first token's arrival) and its receipt gives the router's decision
 and the tokens prefill did not compute. The simulator's receipt headers (modelled TTFT,
-wrong-KV tokens), which the router forwards, are read with an ``httpx`` response hook.
+wrong-KV tokens), which the router forwards, are read with an ``httpx`` response hook. With
+``settings.client`` other than ``sdk`` the same turns go through a raw HTTP client instead
+(:mod:`agentkv.bench.replay_raw`).
 
 Policies:
 
