@@ -4,7 +4,9 @@ Each session runs as an :class:`agentkv.AsyncConversation` in exact mode: messag
 stripped and rewritten as the script says (:mod:`agentkv.bench.content`), every turn streams
 (the wall-clock TTFT is the first token's arrival) and its receipt gives the router's decision
 and the tokens prefill did not compute. The simulator's receipt headers (modelled TTFT,
-wrong-KV tokens), which the router forwards, are read with an ``httpx`` response hook.
+wrong-KV tokens), which the router forwards, are read with an ``httpx`` response hook. With
+``settings.client`` other than ``sdk`` the same turns go through a raw HTTP client instead
+(:mod:`agentkv.bench.replay_raw`).
 
 Policies:
 
@@ -36,7 +38,7 @@ import contextlib
 import math
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -44,10 +46,12 @@ import httpx
 
 from agentkv.bench.content import ScriptedTurn
 from agentkv.bench.retention import LeaseParams, lease_hold_for
+from agentkv.bench.wire import HEADER_IDENTITY, ClientName
 from agentkv.protocol import (
     HEADER_CONVERSATION_ID,
     HEADER_SIM_MODEL_TTFT_MS,
     HEADER_SIM_WRONG_KV_TOKENS,
+    HEADER_TRIM_CAUSE,
     Metric,
 )
 
@@ -60,6 +64,7 @@ __all__ = [
     "TurnRecord",
     "ideal_tokens",
     "modelled_retention",
+    "real_gap",
     "replay_policy",
     "scrape",
     "summarize_errors",
@@ -108,6 +113,9 @@ class ReplaySettings:
     lease: LeaseParams | None = None
     """The ``lease`` policy's liveness model (trace seconds); ``router_ttl_s`` and
     ``decoder_ttl_s`` are then its deployment's (D's TTL ``lease.max_hold_s``)."""
+    client: ClientName = "sdk"
+    """Who sends the turns: agentkv's SDK (exact mode), or a raw HTTP client that knows nothing
+    of agentkv (``chat``, ``messages``, ``responses``: :mod:`agentkv.bench.wire`)."""
 
     def reuse_until_s(self, tool_wait: bool) -> float:
         """The longest gap after which the next turn still finds the KV held."""
@@ -177,6 +185,17 @@ class TurnRecord:
     started_s: float = 0.0
     """Real seconds since the policy's run began."""
     error: str | None = None
+    client: str = "sdk"
+    """Who sent the turn (``sdk``, ``chat``, ``messages``, ``responses``)."""
+    verified_tokens: int = 0
+    """``X-AgentKV-Verified-Prefix-Tokens``: what D's handle held for this prompt."""
+    trim_cause: str | None = None
+    """``X-AgentKV-Trim-Cause`` (``rewrite``, ``drift``), when less than the handle was used."""
+    identity: str | None = None
+    """``X-AgentKV-Identity``, when the router keeps token identity for the client."""
+    generated_known: bool | None = None
+    """Raw clients: the answer's generated ids were known for the ideal (its text, re-tokenized,
+    has the answer's token count); False: they counted as unknown (matching nothing)."""
 
     @property
     def useful_reuse(self) -> int:
@@ -246,7 +265,8 @@ class _Capture:
                 self.headers[conv] = {k.lower(): v for k, v in response.headers.items()}
 
 
-def _real_gap(turn: ScriptedTurn, settings: ReplaySettings) -> float:
+def real_gap(turn: ScriptedTurn, settings: ReplaySettings) -> float:
+    """The real seconds to wait before ``turn``: its trace gap scaled, capped."""
     gap = turn.gap_s * settings.time_scale
     if settings.gap_cap_real_s is not None:
         gap = min(gap, settings.gap_cap_real_s)
@@ -332,7 +352,7 @@ async def _run_session(
     render_s = 0.0  # how long the SDK took from create() to sending, last turn
     tool_wait = False  # the previous answer ended in a tool call
     for turn in script.turns:
-        gap_real = _real_gap(turn, settings) if turn.index else 0.0
+        gap_real = real_gap(turn, settings) if turn.index else 0.0
         rec = TurnRecord(
             policy=policy,
             session=script.id,
@@ -413,6 +433,9 @@ async def _run_session(
             rec.wrong_kv_tokens = int(headers[HEADER_SIM_WRONG_KV_TOKENS.lower()])
         if HEADER_SIM_MODEL_TTFT_MS.lower() in headers:
             rec.model_ttft_ms = float(headers[HEADER_SIM_MODEL_TTFT_MS.lower()])
+        rec.verified_tokens = receipt.verified_prefix_tokens or 0
+        rec.trim_cause = headers.get(HEADER_TRIM_CAUSE.lower())
+        rec.identity = headers.get(HEADER_IDENTITY.lower())
         held = ids[:-1]
         rec.retained_blocks = math.ceil(len(held) / settings.block_size)
         tool_wait = turn.trace.tool_call
@@ -451,20 +474,37 @@ async def replay_policy(
     ``settings.lease``."""
     if (policy == "lease") != (settings.lease is not None):
         raise ValueError("the lease policy, and only it, replays with settings.lease")
-    capture = _Capture()
+    if policy == "lease" and settings.client != "sdk":
+        raise ValueError("leases are the SDK's (X-AgentKV-Lease): no raw client sends them")
     salt = f"bench-{policy}-{uuid.uuid4().hex[:12]}"
     gate = asyncio.Semaphore(max(1, settings.concurrency))
     t0 = time.perf_counter()
     notify = on_turn or (lambda _r: None)
+    run_one: Callable[[SessionScript], Awaitable[list[TurnRecord]]]
+
+    async def one(script: SessionScript) -> list[TurnRecord]:
+        if settings.honor_starts and script.start_s > 0:
+            wait = script.start_s * settings.time_scale - (time.perf_counter() - t0)
+            if wait > 0:
+                await asyncio.sleep(wait)
+        async with gate:
+            return await run_one(script)
+
+    if settings.client != "sdk":
+        from agentkv.bench.replay_raw import RawClients
+
+        async with RawClients(settings.client, base_url, api_key, settings) as raw:
+
+            def run_one(s: SessionScript) -> Awaitable[list[TurnRecord]]:
+                return raw.run_session(s, policy, salt, t0, notify)
+
+            results = await asyncio.gather(*(one(s) for s in scripts))
+        return PolicyRun([r for session in results for r in session])
+    capture = _Capture()
     async with _Agents(base_url, api_key, capture, settings) as agents:
 
-        async def one(script: SessionScript) -> list[TurnRecord]:
-            if settings.honor_starts and script.start_s > 0:
-                wait = script.start_s * settings.time_scale - (time.perf_counter() - t0)
-                if wait > 0:
-                    await asyncio.sleep(wait)
-            async with gate:
-                return await _run_session(agents, script, policy, salt, t0, notify)
+        def run_one(s: SessionScript) -> Awaitable[list[TurnRecord]]:
+            return _run_session(agents, s, policy, salt, t0, notify)
 
         results = await asyncio.gather(*(one(s) for s in scripts))
     records = [r for session in results for r in session]

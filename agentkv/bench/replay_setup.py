@@ -25,9 +25,10 @@ from agentkv.bench.runner import (
     stack_settings,
     stack_target,
 )
+from agentkv.bench.wire import ClientName
 from agentkv.serve.setup import SetupError
 
-__all__ = ["EndpointTTLs", "SetupError", "endpoint_run", "local_run"]
+__all__ = ["EndpointTTLs", "SetupError", "describe_client", "endpoint_run", "local_run"]
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,13 @@ def _served_model(endpoint: str) -> str:
 
 
 def _endpoint_settings(
-    ttls: EndpointTTLs, model: str, *, time_scale: float, concurrency: int, honor_starts: bool
+    ttls: EndpointTTLs,
+    model: str,
+    *,
+    time_scale: float,
+    concurrency: int,
+    honor_starts: bool,
+    client: ClientName = "sdk",
 ) -> ReplaySettings:
     return ReplaySettings(
         model=model,
@@ -57,7 +64,31 @@ def _endpoint_settings(
         gap_cap_real_s=ttls.decoder_s + 1,
         concurrency=concurrency,
         honor_starts=honor_starts,
+        client=client,
     )
+
+
+def describe_client(client: ClientName) -> str:
+    """The report's line on who sent the turns."""
+    return _CLIENTS[client]
+
+
+_CLIENTS: dict[ClientName, str] = {
+    "sdk": "sdk (agentkv's SDK, exact mode: token ids, X-Conversation-Id, X-AgentKV-Epoch)",
+    "chat": "chat (raw HTTP: Chat Completions with X-Session-ID, no token ids, no agentkv "
+    "header or field)",
+    "messages": "messages (raw HTTP: Anthropic Messages as Claude Code sends it, "
+    "X-Claude-Code-Session-Id, tool_use/tool_result blocks)",
+    "responses": "responses (raw HTTP: OpenAI Responses as Codex sends it, store false, "
+    "prompt_cache_key and session-id)",
+}
+
+
+def _check_client(client: ClientName, lease: LeaseParams | None) -> None:
+    if client not in _CLIENTS:
+        raise SetupError(f"unknown --client {client!r} (one of: {', '.join(_CLIENTS)})", status=2)
+    if lease is not None and client != "sdk":
+        raise SetupError("--leases needs --client sdk (leases are the SDK's)", status=2)
 
 
 def endpoint_run(
@@ -72,11 +103,13 @@ def endpoint_run(
     lease: LeaseParams | None = None,
     lease_endpoint: str | None = None,
     lease_ttls: EndpointTTLs | None = None,
+    client: ClientName = "sdk",
 ) -> ReplayRun:
     """The policies on running deployments: ``agentkv`` on ``endpoint`` (and ``none``, with
     ``compare`` the ``unverified`` router too), ``lease`` on ``lease_endpoint`` (its TTLs
     ``lease_ttls``, real seconds; by default D's is ``lease.max_hold_s`` scaled and the
     router's 30 trace seconds less)."""
+    _check_client(client, lease)
     if compare and not unverified_endpoint:
         raise SetupError("--endpoint --compare needs --unverified-endpoint", status=2)
     if lease is not None and not lease_endpoint:
@@ -85,12 +118,18 @@ def endpoint_run(
         )
     model = _served_model(endpoint)
     settings = _endpoint_settings(
-        ttls, model, time_scale=time_scale, concurrency=concurrency, honor_starts=honor_starts
+        ttls,
+        model,
+        time_scale=time_scale,
+        concurrency=concurrency,
+        honor_starts=honor_starts,
+        client=client,
     )
     targets: dict[Policy, str] = {"agentkv": endpoint}
     if compare:
         targets = {"none": endpoint, "unverified": str(unverified_endpoint), **targets}
-    run = ReplayRun(targets, settings, setup={"endpoint": endpoint})
+    setup = {"endpoint": endpoint, "client": describe_client(client)}
+    run = ReplayRun(targets, settings, setup=setup)
     if lease is not None and lease_endpoint:
         lttls = lease_ttls or EndpointTTLs(
             (lease.max_hold_s - 30.0) * time_scale, lease.max_hold_s * time_scale
@@ -126,9 +165,11 @@ def local_run(
     concurrency: int = 8,
     honor_starts: bool = False,
     lease: LeaseParams | None = None,
+    client: ClientName = "sdk",
 ) -> Iterator[ReplayRun]:
     """Start ``profile`` for the run (with ``compare`` an unverified router beside agentkv's;
     with ``lease`` a second deployment whose D keeps blocks for ``lease.max_hold_s``)."""
+    _check_client(client, lease)
     with contextlib.ExitStack() as stack:
         try:
             s = stack.enter_context(
@@ -155,14 +196,16 @@ def local_run(
         if compare:
             assert s.unverified_url is not None
             targets = {"none": s.base_url, "unverified": s.unverified_url, **targets}
-        settings = stack_settings(s, concurrency=concurrency, honor_starts=honor_starts)
+        settings = stack_settings(
+            s, concurrency=concurrency, honor_starts=honor_starts, client=client
+        )
         run = ReplayRun(
             targets,
             settings,
             decode_urls=s.decode_urls,
             engine_urls=s.engine_urls,
             drain_timeout_s=s.decoder_ttl_real_s + 5,
-            setup=_describe(s, preset, costs),
+            setup={**_describe(s, preset, costs), "client": describe_client(client)},
         )
         if leased is not None and lease is not None:
             own = stack_settings(

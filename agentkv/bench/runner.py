@@ -36,6 +36,7 @@ from agentkv.bench.report import (
 )
 from agentkv.bench.retention import LeaseParams
 from agentkv.bench.traces import Session, TraceFormat, detect_format, iter_claude_code, load_trace
+from agentkv.bench.wire import ClientName
 from agentkv.protocol import Metric
 
 __all__ = [
@@ -125,6 +126,7 @@ def stack_settings(
     concurrency: int = 8,
     honor_starts: bool = False,
     lease: LeaseParams | None = None,
+    client: ClientName = "sdk",
 ) -> ReplaySettings:
     """How to replay on a deployment from :func:`~agentkv.bench.deploy.local_stack`."""
     return ReplaySettings(
@@ -137,6 +139,7 @@ def stack_settings(
         concurrency=concurrency,
         honor_starts=honor_starts,
         lease=lease,
+        client=client,
     )
 
 

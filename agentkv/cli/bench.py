@@ -31,6 +31,11 @@ _LEASES = "Also run agentkv with retention leases (a D with a long TTL)."
 _UI_IDLE_S = "--leases: the UI idle timeout of user waits, trace seconds."
 _MAX_HOLD_S = "--leases: D's TTL (the longest hold), trace seconds."
 _LEASE_ENDPOINT = "--endpoint --leases: a router before a D with a --max-hold-s TTL."
+_CLIENT = (
+    "Who sends the turns: sdk (agentkv's SDK, exact mode), or a raw HTTP client that knows "
+    "nothing of agentkv: chat (Chat Completions), messages (Anthropic Messages, as Claude "
+    "Code), responses (OpenAI Responses, as Codex)."
+)
 
 
 @bench_app.command("replay")
@@ -59,12 +64,14 @@ def bench_replay(
     ui_idle_s: Annotated[float, typer.Option(help=_UI_IDLE_S)] = 300.0,
     max_hold_s: Annotated[float, typer.Option(help=_MAX_HOLD_S)] = 1800.0,
     lease_endpoint: Annotated[str | None, typer.Option(help=_LEASE_ENDPOINT)] = None,
+    client: Annotated[str, typer.Option(help=_CLIENT)] = "sdk",
     out: Annotated[str, typer.Option(help="Directory for the report.")] = "agentkv-replay",
     plots: Annotated[bool, typer.Option(help="Write PNG plots (needs matplotlib).")] = True,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
-    """Replay a trace's sessions through the SDK (exact mode) and the router: TTFT, reuse against
-    the ideal, recompute, wrong-KV tokens and D's retained block-seconds, per turn."""
+    """Replay a trace's sessions through the SDK (exact mode) or a raw HTTP client, and the
+    router: TTFT, reuse against the ideal, recompute, wrong-KV tokens and D's retained
+    block-seconds, per turn."""
     import contextlib
     from pathlib import Path
 
@@ -72,8 +79,16 @@ def bench_replay(
     from agentkv.bench import runner
     from agentkv.bench.retention import LeaseParams
     from agentkv.bench.traces import TraceError, detect_format
+    from agentkv.bench.wire import CLIENTS
 
     exit_on_sigterm()
+    if client not in CLIENTS:
+        typer.echo(f"agentkv bench replay: unknown --client {client!r}", err=True)
+        raise typer.Exit(2)
+    if with_leases and client != "sdk":
+        typer.echo("agentkv bench replay: --leases needs --client sdk", err=True)
+        raise typer.Exit(2)
+    who: Any = client
     if endpoint and local:
         typer.echo("agentkv bench replay: give --endpoint or --local, not both", err=True)
         raise typer.Exit(2)
@@ -122,6 +137,7 @@ def bench_replay(
                     compare=compare,
                     lease=leases,
                     lease_endpoint=lease_endpoint,
+                    client=who,
                 )
             else:
                 typer.echo(f"agentkv bench replay: starting profile {local or 'local'} …", err=True)
@@ -135,6 +151,7 @@ def bench_replay(
                         concurrency=concurrency,
                         honor_starts=honor_starts,
                         lease=leases,
+                        client=who,
                     )
                 )
         except setup.SetupError as exc:
