@@ -550,6 +550,10 @@ class Router:
                 # no P accepted the request: the handle is not spent
                 await self._restore(key, at.plan)
                 raise
+            if attempt > 0:
+                # P's events of the earlier pass may not have reached the index yet: what P
+                # found in its own cache on this pass is not known, so the receipt says estimated
+                pre.receipt = replace(pre.receipt, local=None)
             candidates = [e for e in self.pool.decode if e.url not in tried] or self.pool.decode
             engine = pick_decode(candidates, holder)
             if engine is None:

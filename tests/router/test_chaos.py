@@ -1271,6 +1271,24 @@ def test_every_hostile_body_is_refused_and_costs_nothing(chaos: Chaos) -> None:
     state.teardown()
 
 
+def test_a_turn_retried_after_its_d_died_states_no_l_it_cannot_know(chaos: Chaos) -> None:
+    """A D killed under a turn: the turn's second P pass finds the first pass's blocks in P's
+    cache before their events reach the router's index, so its receipt is an estimate, not the
+    index's stale L (found by the machine: L=320 claimed, P hit 624 over both passes)."""
+    ChaosMachine.chaos = chaos
+    state = ChaosMachine()
+    state.start(salts=[None, "salt-b"], max_tokens=19, tenants=[1, 0])
+    state.handles_agree_once_quiet()
+    state.kill_prefill(pick=8)
+    state.handles_agree_once_quiet()
+    state.stream_turn(max_tokens=16, pick=7, text=28)
+    state.handles_agree_once_quiet()
+    state.kill_decode(pick=77, which=0)
+    state.handles_agree_once_quiet()
+    state.no_wrong_kv()
+    state.teardown()
+
+
 @pytest.mark.timeout(900)  # a passing run takes well under 3 minutes; the rest is for shrinking
 def test_chaos(chaos: Chaos) -> None:
     ChaosMachine.chaos = chaos
