@@ -175,19 +175,26 @@ def test_raw_client_replays_the_small_trace(
         # the ideal is measured on the generated ids (the answer's text re-tokenized)
         assert raw["generated_known"] is True and sdk["generated_known"] is None
     decisions = [r["decision"] for r in rows]
-    assert decisions == [
+    expected = [
         "miss", "pull", "pull", "pull", "expired", "pull",
         "miss", "pull", "pull", "pull",
     ]  # fmt: skip
+    # the trace's gaps run in scaled real time: on a loaded machine a pull may find its handle
+    # past the router's TTL, never the other way round
+    assert all(
+        d == e or (e, d) == ("pull", "expired") for d, e in zip(decisions, expected, strict=True)
+    ), decisions
+    assert decisions.count("pull") >= 5, decisions
     for r in rows:
         if r["decision"] != "pull":
             continue
         assert 0 < r["reused_tokens"] <= r["verified_tokens"]
         assert r["ideal_tokens"] > 0
-        # whole verified prefix, or less with the trim's cause: `drift` (no epoch header)
-        # until the router keeps the token identity this client cannot send
+        # the whole ideal, or less: with the trim's cause (`drift`: no epoch header) where the
+        # router rendered the client's history, or where it kept the token identity and the
+        # conversation's own history is shorter than the exact-mode ideal after a rewrite
         if r["reused_tokens"] < r["ideal_tokens"]:
-            assert r["trim_cause"] == "drift", r
+            assert r["trim_cause"] == "drift" or r["identity"] == "kept", r
     # the previous answer's tool call is in what D held (and in the ideal), not in the SDK's
     for raw, sdk in zip(rows, sdk_rows, strict=True):
         if raw["kind"] == "append":
