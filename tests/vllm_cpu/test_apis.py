@@ -52,8 +52,8 @@ import importlib.util
 import json
 import threading
 import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -62,6 +62,7 @@ import anthropic
 import httpx
 import openai
 import pytest
+from openai.types.responses import ResponseOutputMessage, ResponseOutputText
 from scenarios import API_PROMPTS, API_TURNS, MODEL, OUT, SYSTEM, Stack, Turn, router_on
 
 from agentkv import procs
@@ -144,12 +145,26 @@ class Recorded:
 
     url: str
     p: Recorder
+    conversations: list[str] = field(default_factory=list)
+    """Closed when the module is done, so D frees their blocks before the next module."""
 
     def sent(self, mark: int) -> list[int]:
-        """The prompt ids of the last prefill the router sent P since ``mark``."""
-        prefills = self.p.since(mark, "/v1/completions")
+        """The prompt ids of the last prefill the router sent P since ``mark`` (not counting
+        the one-token notices that only tell D to free an old handle)."""
+        prefills = [
+            body
+            for body in self.p.since(mark, "/v1/completions")
+            if not (
+                len(body["prompt"]) == 1
+                and (body.get("kv_transfer_params") or {}).get("remote_num_tokens") == 0
+            )
+        ]
         assert prefills, "the router sent P no prefill"
         return [int(t) for t in prefills[-1]["prompt"]]
+
+    def close(self) -> None:
+        for name in self.conversations:
+            httpx.delete(f"{self.url}/v1/conversations/{name}", timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +201,11 @@ def recorded_router(real: Stack, tmp: Path, **options: object) -> Iterator[Recor
     try:
         prefill = [{"url": proxy.url, "bidirectional": True}]
         for url in router_on(real, tmp, prefill=prefill, **options):
-            yield Recorded(url, proxy)
+            router = Recorded(url, proxy)
+            try:
+                yield router
+            finally:
+                router.close()
     finally:
         proxy.shutdown()
         proxy.server_close()
@@ -282,7 +301,7 @@ def assert_later_turns_pull(turns: list[ApiTurn]) -> None:
 
 
 def _record(
-    api: str, k: int, headers: httpx.Headers, pulled: int, ids: list[int], prompt_tokens: int
+    api: str, k: int, headers: Mapping[str, str], pulled: int, ids: list[int], prompt_tokens: int
 ) -> Turn:
     reused = headers.get("x-agentkv-reused-tokens")
     # the response's own count of prompt tokens: the engines ran the ids the router sent P
@@ -305,6 +324,7 @@ def messages_conversation(
     """Three Messages turns; with ``rewrite`` the last one's history is rewritten (a summary
     replaces the first exchange, and a longer question follows), under the same session."""
     session = str(uuid.uuid4())
+    router.conversations.append(session)
     system = f"[{name} {session[:8]}] {SYSTEM}"
     client = anthropic.Anthropic(base_url=router.url, api_key="k", max_retries=0, timeout=300)
     messages: list[dict[str, Any]] = []
@@ -345,6 +365,7 @@ def messages_conversation(
 
 def responses_conversation(stack: Stack, router: Recorded) -> list[ApiTurn]:
     key = str(uuid.uuid4())
+    router.conversations.append(key)
     instructions = f"[responses {key[:8]}] {SYSTEM}"
     client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="k", max_retries=0, timeout=300)
     items: list[dict[str, Any]] = []
@@ -378,8 +399,11 @@ def responses_conversation(stack: Stack, router: Recorded) -> list[ApiTurn]:
                 ids,
                 response.usage.input_tokens,
             )
-            text = response.output[0].content[0]  # type: ignore[union-attr]
-            top = {t.token: t.logprob for t in text.logprobs[0].top_logprobs}  # type: ignore[union-attr]
+            message = response.output[0]
+            assert isinstance(message, ResponseOutputMessage), response.output
+            text = message.content[0]
+            assert isinstance(text, ResponseOutputText) and text.logprobs, message
+            top = {t.token: t.logprob for t in text.logprobs[0].top_logprobs}
             out.append(ApiTurn(record, ids, top, raw.headers.get("x-agentkv-identity")))
             # the whole input again, the output items as they came (their logprobs left out)
             for item in response.output:
@@ -551,12 +575,10 @@ def test_the_router_sends_p_the_ids_vllms_own_endpoint_runs(
     api: str, real: Stack, recorded: Recorded, render: str
 ) -> None:
     endpoint, body = ENDPOINTS[api], REQUESTS[api]
-    mark = recorded.p.mark()
+    mark, name = recorded.p.mark(), f"ids-{api}-{uuid.uuid4().hex[:8]}"
+    recorded.conversations.append(name)
     r = httpx.post(
-        f"{recorded.url}{endpoint}",
-        json=body,
-        headers={"X-Conversation-Id": f"ids-{api}-{uuid.uuid4().hex[:8]}"},
-        timeout=300,
+        f"{recorded.url}{endpoint}", json=body, headers={"X-Conversation-Id": name}, timeout=300
     )
     assert r.status_code == 200, r.text
     sent = recorded.sent(mark)
