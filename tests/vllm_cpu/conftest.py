@@ -20,13 +20,11 @@ from pathlib import Path
 import httpx
 import pytest
 from report import write_doc
-from scenarios import TIMINGS, VLLM_VERSION, Stack
+from scenarios import TIMINGS, VLLM_VERSION, Stack, router_on
 
 from agentkv import procs
 from agentkv.chat.tokenizer import cache_dir
 from agentkv.procs import free_port
-from agentkv.serve import expand, load_profile
-from agentkv.serve.supervisor import start_router
 from agentkv.serve.tiny_model import build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -126,19 +124,6 @@ time_scale = 0
         yield Stack(*(f"http://127.0.0.1:{p}" for p in (ports[2], ports[0], ports[1])), False)
     finally:
         proc.stop(60)
-
-
-def router_on(real: Stack, tmp: Path, **options: object) -> Iterator[str]:
-    """A second router on the real engines (cpu-tiny's settings, plus ``options``)."""
-    config = dict(
-        expand(
-            load_profile(
-                "cpu-tiny", environ={"AGENTKV_VLLM_BIN": "x", "AGENTKV_CPU_TINY_MODEL": "x"}
-            )
-        ).router_config
-    )
-    with start_router({**config, **options}, workdir=tmp) as router:
-        yield router.url
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from scenarios import (
+    API_PROMPTS,
+    API_TURNS,
     OUT,
     RESULTS,
     ROWS,
@@ -102,7 +104,69 @@ def write_doc(path: Path) -> None:
             lines.append(f"| {name} | {result} | {n} | {decisions} |")
         if TEMPLATE_PULLED:
             lines += ["", f"P read {TEMPLATE_PULLED[0]} tokens from D over these conversations."]
+    lines += _apis()
     path.write_text("\n".join(lines) + "\n")
+
+
+def _diff(value: float | None) -> str:
+    return "" if value is None else f"{value:.1e}"
+
+
+def _apis() -> list[str]:
+    """test_apis.py's section."""
+    if not API_TURNS and not API_PROMPTS:
+        return []
+    lines = [
+        "",
+        "## Messages and Responses through the router",
+        "",
+        "`test_apis.py`: a Messages conversation (anthropic SDK, Claude Code's session header)",
+        "and a stateless Responses one (openai SDK, the whole input each turn, `store: false`,",
+        "`prompt_cache_key`), through a router with cpu-tiny's settings whose P is a recording",
+        "proxy in front of the real P, so the ids it sent P are read on the wire. That router",
+        "gets no KV events (the main router has them): its receipts are estimates, and a turn",
+        "whose verified prefix P holds itself reads as `pull` where the main router says",
+        "`local`; *pulled*, P's counter, is what P read. *Δ logprob* is against a clean",
+        "recompute of those ids: for Responses the turn's own first-token top-5",
+        "(`message.output_text.logprobs`); the Messages API has no logprobs, so the ids are sent",
+        "to P again and read the KV the turn left in P's cache (every full block, its own and",
+        "what it read from D). The rewrite replaces the first exchange with a summary; through",
+        'a router with `reuse_policy = "unverified"` that read leaves wrong KV, which the probe',
+        "sees. The pulls need the router to keep token identity (issue 22 item 4).",
+        "",
+        "| conversation | turn | decision | pulled | receipt (estimated) | prompt tokens "
+        "| Δ logprob |",
+        "|---|---:|---|---:|---:|---:|---:|",
+    ]
+    for name, turns in API_TURNS.items():
+        for t in turns:
+            lines.append(
+                f"| {name} | {t.turn} | {t.decision} | {t.pulled} | {_n(t.reused)} | "
+                f"{t.prompt_tokens} | {_diff(t.logprob_diff)} |"
+            )
+    if API_PROMPTS:
+        lines += [
+            "",
+            "One request per API with a system prompt, tools and a tool round (Messages: Claude",
+            "Code's billing block, an inline system message, `thinking: disabled`; Responses: a",
+            "developer message, a reasoning item, `reasoning.effort`, a built-in `web_search`",
+            "tool): the ids the router sent P against vLLM's `/v1/messages/render` and",
+            "`/v1/responses/render` (`vllm launch render`: the endpoints' own conversion and",
+            "renderer), and the same request on P's own `/v1/messages` and `/v1/responses` under",
+            "a fresh `cache_salt`: the prompt tokens it counted, how many of the router's ids it",
+            "left in P's cache (every full block: same ids), and, for Responses, its first token's",
+            "logprobs against a clean recompute of the router's ids.",
+            "",
+            "| API | ids sent to P | ids vLLM renders | equal | vLLM's endpoint ran | of them "
+            "cached | Δ logprob |",
+            "|---|---:|---:|---|---:|---:|---:|",
+        ]
+        for api, (sent, want, equal, ran, cached, diff) in API_PROMPTS.items():
+            lines.append(
+                f"| {api} | {sent} | {want} | {'yes' if equal else 'no'} | {ran} | {cached} | "
+                f"{_diff(diff)} |"
+            )
+    return lines
 
 
 def _n(value: int | None) -> str:

@@ -15,13 +15,17 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 import agentkv
 from agentkv.protocol.promtext import parse_metrics
+from agentkv.serve import expand, load_profile
+from agentkv.serve.supervisor import start_router
 
 MODEL = "tiny"
 SYSTEM = "You are a meticulous assistant. " + " ".join(
@@ -59,6 +63,12 @@ TIMINGS: dict[str, float] = {}
 """``stack_ready_s`` (cpu-tiny started until the router answers), ``tier_s`` (the session)."""
 TEMPLATE_PULLED: list[int] = []
 """Tokens P read from D over all the template conversations (its counter)."""
+API_TURNS: dict[str, list[Turn]] = {}
+"""``messages`` / ``responses`` → the turns of test_apis.py's conversation."""
+API_PROMPTS: dict[str, tuple[int, int, bool, int, int, float | None]] = {}
+"""``messages`` / ``responses`` → (ids the router sent P, ids vLLM's render endpoint gave, equal,
+prompt tokens vLLM's own endpoint ran, of the router's ids found in P's cache after it, Δ logprob
+of its first token against a clean recompute of the router's ids (Responses))."""
 
 
 @dataclass
@@ -122,6 +132,19 @@ class Stack:
         if not common:  # wrong KV can change the whole top 5
             return float("inf")
         return max(abs(top[k] - got[k]) for k in common)
+
+
+def router_on(real: Stack, tmp: Path, **options: object) -> Iterator[str]:
+    """A second router on the real engines (cpu-tiny's settings, plus ``options``)."""
+    config = dict(
+        expand(
+            load_profile(
+                "cpu-tiny", environ={"AGENTKV_VLLM_BIN": "x", "AGENTKV_CPU_TINY_MODEL": "x"}
+            )
+        ).router_config
+    )
+    with start_router({**config, **options}, workdir=tmp) as router:
+        yield router.url
 
 
 def turn(stack: Stack, conv: Any, scenario: str, n: int, *, stream: bool = False) -> Turn:
