@@ -250,7 +250,7 @@ class Connection:
             if "content-length" in hdrs:
                 data = await self.reader.readexactly(int(hdrs["content-length"]))
             elif hdrs.get("transfer-encoding", "").lower() == "chunked":
-                parts = []
+                parts: list[bytes] = []
                 while True:
                     size = int((await self.reader.readuntil(b"\r\n")).split(b";")[0], 16)
                     if not parts:

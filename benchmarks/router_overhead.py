@@ -79,6 +79,7 @@ from benchmarks._report import machine, write_section
 from benchmarks._turns import PLAIN, STREAMED, TURNS, Material, Stats, Target, Workload, drive
 
 D_TTL_S = 60.0
+LEASE_S = 240.0
 VLLM_PROXY = ROOT.parent / "shared" / "peers" / "vllm-0.33.0" / "disagg_proxy_multiturn.py"
 LENGTHS = {"short": 0, "1k": 1_000, "8k": 8_000, "32k": 32_000, "128k": 128_000}
 CONVERSATIONS = {0: 32, 1_000: 16, 8_000: 4, 32_000: 2, 128_000: 1}
@@ -87,12 +88,17 @@ RSS_CONVERSATIONS = 24
 
 
 def sim_args(longest: int) -> list[str]:
-    # D keeps every conversation's last blocks for D_TTL_S: room for a minute of 128k turns
+    """The simulators' flags. D keeps each conversation's last blocks for ``D_TTL_S``: room for
+    a minute of 128k-token conversations. P keeps its blocks for D's read ``LEASE_S``: the
+    simulator's 30 s default passes under load at 128k tokens (each simulator tokenizes on its
+    event loop, and vLLM's proxy sends both the messages), vLLM's own default is 480 s.
+    ``max_model_len`` 262144: the default 131072 holds a 128k-token first prompt and 8 turns
+    of answers and questions (129,368 tokens), not many more."""
     blocks = 524_288 if longest > 32_000 else 262_144
     return [
         *("--preset", "zero", "--time-scale", "0", "--served-model-name", "sim"),
         *("--num-blocks", str(blocks), "--decoder-kv-blocks-ttl", str(D_TTL_S)),
-        *("--max-model-len", "262144"),
+        *("--kv-lease-duration", str(LEASE_S), "--max-model-len", "262144"),
     ]
 
 
@@ -141,20 +147,24 @@ def loadavg() -> str:
 # -- memory ---------------------------------------------------------------------------------------
 
 
-def memory(
-    starters: list[tuple[str, str, Any]], mat: Material, conversations: int, logs: Path
-) -> list[Memory]:
-    """RSS per live conversation of fresh processes: (name, kind, start()) each."""
-    rows = []
+RSS_C = 4
+"""Conversations at once in the memory phase (warm-up and measure alike, so that the warm-up
+reaches the transient peak of turns in flight)."""
+
+
+def memory(starters: list[tuple[str, str, Any]], mat: Material, conversations: int) -> list[Memory]:
+    """RSS per live conversation of fresh processes: (name, kind, start()) each; every
+    conversation's handle stays live (the router's TTL is 50 s)."""
+    rows: list[Memory] = []
     for name, kind, start in starters:
         proc = start()
         try:
             t = Target("rss", name, proc.url, kind, proc.pid)
             cell = f"rss-{kind}-{os.getpid()}-{len(rows)}"
-            asyncio.run(drive(t, STREAMED, 1, 4, f"{cell}-warm", mat, 2))
+            asyncio.run(drive(t, STREAMED, RSS_C, RSS_C, f"{cell}-warm", mat, 2))
             time.sleep(0.5)
             before = rss_kib(proc.pid)
-            st, _ = asyncio.run(drive(t, STREAMED, 1, conversations, cell, mat, 2))
+            st, _ = asyncio.run(drive(t, STREAMED, RSS_C, conversations, cell, mat, 2))
             if st.failures:
                 raise RuntimeError(f"{name}: {st.failures[0]}")
             time.sleep(0.5)
@@ -418,7 +428,7 @@ def main() -> None:
 
     def n_conv(length: int, c: int) -> int:
         if args.conversations:
-            return max(c, args.conversations)
+            return max(c, int(args.conversations))
         if args.quick:
             return max(c, 8 if sweep else 1)
         return max(c, CONVERSATIONS[length]) if c < 256 else c
@@ -548,7 +558,7 @@ def main() -> None:
                         lambda: start_vllm_proxy(args.vllm_proxy_python, p.url, d.url, logs),
                     )
                 )
-            mem = memory(starters, mat, rss_n, logs)
+            mem = memory(starters, mat, rss_n)
         if args.profile:
             extra += profile(cfg, logs, mats[0])
     run["wall_s"] = time.perf_counter() - started
