@@ -140,6 +140,10 @@ def measure(
     return st, wall, proxy, meter.other_cores
 
 
+def rounds(n: int) -> str:
+    return "1 round" if n == 1 else f"{n} rounds"
+
+
 def loadavg() -> str:
     return ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -245,7 +249,7 @@ def lengths_report(
         "",
         *TARGET_LINES,
         "",
-        f"{args.rounds} rounds, the targets in alternating order in each, {concs}; per cell and",
+        f"{rounds(args.rounds)}, the targets in alternating order in each, {concs}; per cell and",
         f"round {run['conversations']} conversations; before each cell, warm-up conversations",
         "of 2 turns. " + " ".join(MEASURE_LINES[:1]),
         *MEASURE_LINES[1:],
@@ -289,7 +293,7 @@ def sweep_report(
         "",
         *TARGET_LINES,
         "",
-        f"{args.rounds} rounds, the targets in alternating order in each; a warm-up before",
+        f"{rounds(args.rounds)}, the targets in alternating order in each; a warm-up before",
         "each cell. " + " ".join(MEASURE_LINES[:1]),
         *MEASURE_LINES[1:],
         "",
