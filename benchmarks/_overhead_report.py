@@ -200,17 +200,18 @@ def length_tables(cells: list[Cell]) -> list[str]:
     return lines
 
 
-def memory_table(rows: list[Memory]) -> list[str]:
+def memory_table(rows: list[Memory], warm: int) -> list[str]:
     if not rows:
         return []
     n = rows[0].conversations
     lines = [
         "",
-        f"Memory: each proxy started afresh, warmed with 4 conversations, then {n} more",
-        f"conversations of 2 turns at {label(rows[0].length)} tokens, 4 at a time (as in the",
-        "warm-up), all left live (the router's handles are counted by its `/health`; vLLM's",
-        "proxy keeps every conversation's handle). RSS from `/proc/<pid>/status`; per",
-        "conversation: the growth divided by the conversations.",
+        "Memory: each proxy started afresh (after the cells, in front of a fresh P and D that",
+        f"keep every handle for 600 s, the router told so), warmed with {warm} conversations,",
+        f"then {n} more, all of one turn at {label(rows[0].length)} tokens, one at a time,",
+        "all left live (the router's handles are counted by its `/health`; vLLM's proxy keeps",
+        "every conversation's handle). RSS from `/proc/<pid>/status`; per conversation: the",
+        f"growth over the {n} divided by {n}.",
         "",
         "| proxy | RSS before | RSS after | live handles | KiB per live conversation |",
         "|---|---:|---:|---:|---:|",

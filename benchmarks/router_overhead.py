@@ -84,22 +84,33 @@ VLLM_PROXY = ROOT.parent / "shared" / "peers" / "vllm-0.33.0" / "disagg_proxy_mu
 LENGTHS = {"short": 0, "1k": 1_000, "8k": 8_000, "32k": 32_000, "128k": 128_000}
 CONVERSATIONS = {0: 32, 1_000: 16, 8_000: 4, 32_000: 2, 128_000: 1}
 """Conversations per cell and round at c=1 (at c>1: at least c), by first prompt length."""
-RSS_CONVERSATIONS = 24
+RSS_CONVERSATIONS = 48
+RSS_WARM = 8
 
 
-def sim_args(longest: int) -> list[str]:
-    """The simulators' flags. D keeps each conversation's last blocks for ``D_TTL_S``: room for
-    a minute of 128k-token conversations. P keeps its blocks for D's read ``LEASE_S``: the
-    simulator's 30 s default passes under load at 128k tokens (each simulator tokenizes on its
-    event loop, and vLLM's proxy sends both the messages), vLLM's own default is 480 s.
-    ``max_model_len`` 262144: the default 131072 holds a 128k-token first prompt and 8 turns
-    of answers and questions (129,368 tokens), not many more."""
-    blocks = 524_288 if longest > 32_000 else 262_144
+def sim_args(blocks: int = 262_144, ttl_s: float = D_TTL_S) -> list[str]:
+    """The simulators' flags. P keeps its blocks for D's read ``LEASE_S``: the simulator's 30 s
+    default passes under load at 128k tokens (each simulator tokenizes on its event loop, and
+    vLLM's proxy sends both the messages); vLLM's own default is 480 s. ``max_model_len``
+    262144: the default 131072 holds a 128k-token first prompt and 8 turns of answers and
+    questions (129,368 tokens), not many more."""
     return [
         *("--preset", "zero", "--time-scale", "0", "--served-model-name", "sim"),
-        *("--num-blocks", str(blocks), "--decoder-kv-blocks-ttl", str(D_TTL_S)),
+        *("--num-blocks", str(blocks), "--decoder-kv-blocks-ttl", str(ttl_s)),
         *("--kv-lease-duration", str(LEASE_S), "--max-model-len", "262144"),
     ]
+
+
+def d_blocks(longest: int) -> int:
+    """D keeps each conversation's last blocks for ``D_TTL_S``: room for a minute of 128k-token
+    conversations from every target, below the router's KV-pressure watermark (0.9)."""
+    return 786_432 if longest > 32_000 else 262_144
+
+
+ROUTER_DEADLINES = {"decode_first_byte_timeout_s": 300.0, "prefill_deadline_s": 300.0}
+"""The router's deadlines, raised: at 128k tokens, c=8, on a loaded machine, D's first byte can
+take longer than the 30 s default, and the retry is a second P pass (vLLM's proxy waits
+without a limit)."""
 
 
 def tree_cpu(pid: int) -> float:
@@ -151,24 +162,19 @@ def loadavg() -> str:
 # -- memory ---------------------------------------------------------------------------------------
 
 
-RSS_C = 4
-"""Conversations at once in the memory phase (warm-up and measure alike, so that the warm-up
-reaches the transient peak of turns in flight)."""
-
-
 def memory(starters: list[tuple[str, str, Any]], mat: Material, conversations: int) -> list[Memory]:
-    """RSS per live conversation of fresh processes: (name, kind, start()) each; every
-    conversation's handle stays live (the router's TTL is 50 s)."""
+    """RSS per live conversation of fresh processes: (name, kind, start()) each. Conversations
+    of one turn, one at a time, after ``RSS_WARM`` of them; every one's handle stays live."""
     rows: list[Memory] = []
     for name, kind, start in starters:
         proc = start()
         try:
             t = Target("rss", name, proc.url, kind, proc.pid)
             cell = f"rss-{kind}-{os.getpid()}-{len(rows)}"
-            asyncio.run(drive(t, STREAMED, RSS_C, RSS_C, f"{cell}-warm", mat, 2))
+            asyncio.run(drive(t, STREAMED, 1, RSS_WARM, f"{cell}-warm", mat, 1))
             time.sleep(0.5)
             before = rss_kib(proc.pid)
-            st, _ = asyncio.run(drive(t, STREAMED, RSS_C, conversations, cell, mat, 2))
+            st, _ = asyncio.run(drive(t, STREAMED, 1, conversations, cell, mat, 1))
             if st.failures:
                 raise RuntimeError(f"{name}: {st.failures[0]}")
             time.sleep(0.5)
@@ -249,6 +255,11 @@ def lengths_report(
         "",
         *TARGET_LINES,
         "",
+        "The router's `decode_first_byte_timeout_s` and `prefill_deadline_s` are 300 s: their",
+        "30 s defaults fire at 128k tokens, c=8, on a loaded machine, and a retry is a second",
+        "P pass (vLLM's proxy waits without a limit). P keeps its blocks for D's read 240 s",
+        "(the simulator's default 30 s passes there too; vLLM's own is 480 s).",
+        "",
         f"{rounds(args.rounds)}, the targets in alternating order in each, {concs}; per cell and",
         f"round {run['conversations']} conversations; before each cell, warm-up conversations",
         "of 2 turns. " + " ".join(MEASURE_LINES[:1]),
@@ -261,7 +272,7 @@ def lengths_report(
         "Router CPU ms per turn by prompt length (streamed, 128 tokens; medians of the rounds):",
         "",
         *length_tables(cells),
-        *memory_table(mem),
+        *memory_table(mem, RSS_WARM),
         "",
         *length_goals(cells, mem),
         "",
@@ -376,6 +387,37 @@ def start_vllm_proxy(python: str, p: str, d: str, logs: Path) -> Proc:
     return start_process("vllm-proxy", argv, logs, python=python)
 
 
+def memory_phase(
+    args: argparse.Namespace, length: int, conversations: int, keep: set[str] | None
+) -> list[Memory]:
+    """RSS per live conversation of the router (exact ids, chat) and of vLLM's proxy, each a
+    fresh process in front of a fresh P and D that keep every handle for 600 s (and a router
+    told so: no handle expires or is released for KV pressure while memory is measured)."""
+    ttl = 600.0
+    with one_p_one_d(sim_args(ttl_s=ttl), sim_args(524_288, ttl)) as engines:
+        p, d, logs = engines.p, engines.d, engines.logs
+        cfg = engines.router_config(
+            decoder_kv_blocks_ttl_s=ttl, ttl_margin_s=10.0, **ROUTER_DEADLINES
+        )
+        mat = Material(p.url, d.url, length)
+        starters: list[tuple[str, str, Any]] = []
+        if keep is None or "exact" in keep:
+            starters.append(
+                ("agentkv router (exact ids)", "exact", lambda: start_router(cfg, logs))
+            )
+        if keep is None or "router" in keep:
+            starters.append(("agentkv router (chat)", "chat", lambda: start_router(cfg, logs)))
+        if keep is None or "vllm" in keep:
+            starters.append(
+                (
+                    "vLLM proxy",
+                    "chat",
+                    lambda: start_vllm_proxy(args.vllm_proxy_python, p.url, d.url, logs),
+                )
+            )
+        return memory(starters, mat, conversations)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few turns per cell")
@@ -459,9 +501,11 @@ def main() -> None:
     mats: list[Material] = []
     cells: list[Cell] = []
     keep = set(args.targets.split(",")) if args.targets else None
-    with one_p_one_d(sim_args(max(lengths))) as engines:
+    with one_p_one_d(sim_args(), sim_args(d_blocks(max(lengths)))) as engines:
         p, d, logs, procs = engines.p, engines.d, engines.logs, engines.procs
-        cfg = engines.router_config(decoder_kv_blocks_ttl_s=D_TTL_S, ttl_margin_s=10.0)
+        cfg = engines.router_config(
+            decoder_kv_blocks_ttl_s=D_TTL_S, ttl_margin_s=10.0, **ROUTER_DEADLINES
+        )
 
         def wanted(key: str) -> bool:
             return keep is None or key in keep
@@ -544,27 +588,11 @@ def main() -> None:
                             flush=True,
                         )
                 cells += done.values()
-        if rss_n:
-            rss_len = 32_000 if 32_000 in lengths else max(lengths)
-            mat = next(m for m in mats if m.length == rss_len)
-            starters: list[tuple[str, str, Any]] = []
-            if wanted("exact"):
-                starters.append(
-                    ("agentkv router (exact ids)", "exact", lambda: start_router(cfg, logs))
-                )
-            if wanted("router"):
-                starters.append(("agentkv router (chat)", "chat", lambda: start_router(cfg, logs)))
-            if wanted("vllm"):
-                starters.append(
-                    (
-                        "vLLM proxy",
-                        "chat",
-                        lambda: start_vllm_proxy(args.vllm_proxy_python, p.url, d.url, logs),
-                    )
-                )
-            mem = memory(starters, mat, rss_n)
         if args.profile:
             extra += profile(cfg, logs, mats[0])
+    if rss_n:
+        rss_len = 32_000 if 32_000 in lengths else max(lengths)
+        mem = memory_phase(args, rss_len, rss_n, keep)
     run["wall_s"] = time.perf_counter() - started
     run["load_end"] = loadavg()
     print(f"load average at the end: {run['load_end']}", flush=True)
