@@ -90,12 +90,13 @@ class Engines:
 
 
 @contextlib.contextmanager
-def one_p_one_d(sim_args: Sequence[str]) -> Iterator[Engines]:
-    """Start a P and a D simulator (``sim_args`` each) with SIGTERM turned into an exit; on the
-    way out stop every server in ``procs``, then the simulators."""
+def one_p_one_d(sim_args: Sequence[str], d_args: Sequence[str] | None = None) -> Iterator[Engines]:
+    """Start a P and a D simulator (``sim_args`` each, or ``d_args`` for D) with SIGTERM turned
+    into an exit; on the way out stop every server in ``procs``, then the simulators."""
     exit_on_sigterm()
     logs = logdir()
-    p, d = start_sims([["--role", "prefill", *sim_args], ["--role", "decode", *sim_args]])
+    d_args = sim_args if d_args is None else d_args
+    p, d = start_sims([["--role", "prefill", *sim_args], ["--role", "decode", *d_args]])
     engines = Engines(p, d, logs)
     try:
         yield engines
@@ -250,7 +251,7 @@ class Connection:
             if "content-length" in hdrs:
                 data = await self.reader.readexactly(int(hdrs["content-length"]))
             elif hdrs.get("transfer-encoding", "").lower() == "chunked":
-                parts = []
+                parts: list[bytes] = []
                 while True:
                     size = int((await self.reader.readuntil(b"\r\n")).split(b";")[0], 16)
                     if not parts:

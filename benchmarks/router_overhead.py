@@ -14,14 +14,18 @@ cost of the path, not of a model. In front of the same two engines, in their own
   ``/tokenize`` for the prompt ids and verifies the stored handle against them;
 * **agentkv router (exact ids)**: given ``kv_transfer_params.prompt_token_ids`` as agentkv's SDK
   sends them (no ``/tokenize``);
+* **agentkv router (Messages)** and **(Responses)**: the same conversation as Anthropic
+  Messages (``X-Conversation-Id``) and as stateless OpenAI Responses (``store: false``, the
+  whole input every turn, ``prompt_cache_key``), as Claude Code and Codex send them;
 * **P then D (client)**: the client itself does the exact-ids P then D steps, keeping D's
   handle: the baseline for the router's *added* latency (streamed, c=1).
 
-Workloads, each a conversation of 8 turns whose next prompt is the history, the answer and a new
-question (so turns 2–8 can pull the last turn's KV from D): **streamed**, 128 tokens per answer
-(``stream_options.include_usage`` as the SDK sends it); **non-streamed**, 8 tokens. Closed loop
-with c workers; the targets alternate in each round. CPU per turn of each proxy's process from
-``/proc``.
+Conversations of 8 turns (``benchmarks/_turns.py``) whose first prompt is 1k, 8k, 32k or 128k
+tokens (``--lengths``), streamed with 128 tokens per answer, c=1 and c=8 (``--concurrency``);
+closed loop, the targets in alternating order in each round; CPU per turn of each proxy's
+process from ``/proc``; then the RSS per live 32k-token conversation of fresh router and proxy
+processes. ``--lengths short`` is the concurrency sweep of short conversations (c=1, 16, 64,
+256 streamed and c=64 non-streamed with 8 tokens), its own section.
 
 Run: ``python benchmarks/router_overhead.py`` (``--quick`` for a smoke run; writes its section of
 docs/benchmarks.md unless ``--no-write``; ``--compare`` adds router variants: httpx upstream,
@@ -37,18 +41,15 @@ import collections
 import contextlib
 import json
 import os
-import re
 import signal
 import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
-import orjson
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -56,281 +57,60 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 from agentkv.procs import ProcessError, start_on_free_port
 from benchmarks._loadgen import (
     ROOT,
-    Connection,
     CPUMeter,
     Proc,
     one_p_one_d,
+    rss_kib,
     start_process,
     wait_quiet,
 )
-from benchmarks._relay_floor import PREFILL as PREFILL_PARAMS
+from benchmarks._overhead_report import (
+    Cell,
+    Memory,
+    cell_table,
+    failed_cells,
+    label,
+    length_goals,
+    length_tables,
+    memory_table,
+    sweep_goals,
+)
 from benchmarks._report import machine, write_section
+from benchmarks._turns import PLAIN, STREAMED, TURNS, Material, Stats, Target, Workload, drive
 
-MODEL = "sim"
-TURNS = 8
 D_TTL_S = 60.0
-SIM_ARGS = [
-    *("--preset", "zero", "--time-scale", "0", "--served-model-name", MODEL),
-    *("--num-blocks", "262144", "--decoder-kv-blocks-ttl", str(D_TTL_S)),
-]
+LEASE_S = 240.0
 VLLM_PROXY = ROOT.parent / "shared" / "peers" / "vllm-0.33.0" / "disagg_proxy_multiturn.py"
-CHAT = "/v1/chat/completions"
-_IDS = re.compile(rb'"token_ids":\[([^\]]*)\]')
+LENGTHS = {"short": 0, "1k": 1_000, "8k": 8_000, "32k": 32_000, "128k": 128_000}
+CONVERSATIONS = {0: 32, 1_000: 16, 8_000: 4, 32_000: 2, 128_000: 1}
+"""Conversations per cell and round at c=1 (at c>1: at least c), by first prompt length."""
+RSS_CONVERSATIONS = 48
+RSS_WARM = 8
 
 
-@dataclass(frozen=True)
-class Workload:
-    key: str
-    name: str
-    stream: bool
-    max_tokens: int
-
-
-STREAMED = Workload("stream", "streamed, 128 tokens", True, 128)
-PLAIN = Workload("plain", "non-streamed, 8 tokens", False, 8)
-
-
-@dataclass
-class Target:
-    key: str
-    name: str
-    url: str
-    kind: str
-    """``chat`` (messages), ``exact`` (messages + exact ids), ``pd`` (the client does P, D)."""
-    pid: int | None = None
-
-
-# -- conversations -------------------------------------------------------------------------------
-
-
-def system_prompt(cell: str, i: int) -> str:
-    return (
-        f"You are coding agent {i} of run {cell}. You work in a repository with a router, a "
-        "store and a simulator. Answer briefly and name the files you touch."
-    )
-
-
-def question(turn: int) -> str:
-    return f"Step {turn}: which file should change next, and why?"
-
-
-@dataclass
-class Stats:
-    latencies: list[float] = field(default_factory=list)
-    ttfb: list[float] = field(default_factory=list)
-    decisions: collections.Counter[str] = field(default_factory=collections.Counter)
-    failures: list[str] = field(default_factory=list)
-
-
-class Tokens:
-    """Exact prompt ids without a tokenizer in the client: the first prompt of conversation
-    ``i`` is a shared rendered prefix plus ids unique to (cell, i); each next one is the last
-    prompt + the answer's ids + a rendered question (the engines take the ids as given)."""
-
-    def __init__(self, p_url: str, d_url: str) -> None:
-        self.p_url, self.d_url = p_url, d_url
-
-        def tok(body: dict[str, Any]) -> list[int]:
-            r = httpx.post(f"{p_url}/tokenize", json=body, timeout=30, trust_env=False)
-            return [int(t) for t in r.json()["tokens"]]
-
-        self.base = tok({"model": MODEL, "messages": [{"role": "system", "content": "x" * 200}]})
-        self.suffix = [
-            tok(
-                {
-                    "model": MODEL,
-                    "prompt": f"<|im_end|>\n<|im_start|>user\n{question(t)}<|im_end|>\n"
-                    "<|im_start|>assistant\n",
-                    "add_special_tokens": False,
-                }
-            )
-            for t in range(TURNS)
-        ]
-
-    def first(self, cell: str, i: int) -> list[int]:
-        seed = hash((cell, i)) & 0xFFFFFFFF
-        return [*self.base, *(1000 + (seed >> (4 * k)) % 60000 for k in range(8)), *self.suffix[0]]
-
-
-def _content(data: bytes, stream: bool) -> str:
-    if not stream:
-        choice = orjson.loads(data)["choices"][0]
-        return str(choice["message"].get("content") or "")
-    parts = []
-    for line in data.split(b"\n"):
-        if line.startswith(b"data: {"):
-            for choice in orjson.loads(line[6:]).get("choices") or []:
-                parts.append((choice.get("delta") or {}).get("content") or "")
-    return "".join(parts)
-
-
-def _out_ids(data: bytes) -> list[int]:
-    out: list[int] = []
-    for m in _IDS.finditer(data):
-        if m.group(1):
-            out.extend(int(x) for x in m.group(1).split(b","))
-    return out
-
-
-def _d_handle(data: bytes, stream: bool) -> dict[str, Any] | None:
-    if not stream:
-        return orjson.loads(data).get("kv_transfer_params")  # type: ignore[no-any-return]
-    for line in data.split(b"\n"):
-        if b'"kv_transfer_params":{' in line:
-            return orjson.loads(line[6:])["kv_transfer_params"]  # type: ignore[no-any-return]
-    return None
-
-
-async def conversation(
-    conns: list[Connection], i: int, t: Target, wl: Workload, cell: str, tokens: Tokens, st: Stats
-) -> None:
-    loop = asyncio.get_running_loop()
-    cid = f"{cell}-{i}"
-    messages: list[dict[str, Any]] = [
-        {"role": "system", "content": system_prompt(cell, i)},
-        {"role": "user", "content": question(0)},
+def sim_args(blocks: int = 262_144, ttl_s: float = D_TTL_S) -> list[str]:
+    """The simulators' flags. P keeps its blocks for D's read ``LEASE_S``: the simulator's 30 s
+    default passes under load at 128k tokens (each simulator tokenizes on its event loop, and
+    vLLM's proxy sends both the messages); vLLM's own default is 480 s. ``max_model_len``
+    262144: the default 131072 holds a 128k-token first prompt and 8 turns of answers and
+    questions (129,368 tokens), not many more."""
+    return [
+        *("--preset", "zero", "--time-scale", "0", "--served-model-name", "sim"),
+        *("--num-blocks", str(blocks), "--decoder-kv-blocks-ttl", str(ttl_s)),
+        *("--kv-lease-duration", str(LEASE_S), "--max-model-len", "262144"),
     ]
-    ids = tokens.first(cell, i)
-    handle: dict[str, Any] | None = None
-    for turn in range(TURNS):
-        body: dict[str, Any] = {
-            "model": MODEL,
-            "messages": messages,
-            "max_tokens": wl.max_tokens,
-            "chat_template_kwargs": {"enable_thinking": False},
-        }
-        if wl.stream:
-            body["stream"] = True
-            body["stream_options"] = {"include_usage": True}
-        headers = {"X-Conversation-Id": cid}
-        t0 = loop.time()
-        if t.kind == "pd":
-            params = (
-                dict(handle, do_remote_decode=True, do_remote_prefill=False) if handle else None
-            )
-            p_body = {
-                "model": MODEL,
-                "prompt": ids,
-                "max_tokens": 1,
-                "stream": False,
-                "kv_transfer_params": params or PREFILL_PARAMS,
-            }
-            status, _, data = await conns[1].post("/v1/completions", orjson.dumps(p_body))
-            if status != 200:
-                raise RuntimeError(f"P answered {status}: {data[:200]!r}")
-            p_params = orjson.loads(data)["kv_transfer_params"]
-            body["kv_transfer_params"] = dict(p_params, prompt_token_ids=ids)
-            body["return_token_ids"] = True
-            status, hdrs, data = await conns[2].post(CHAT, orjson.dumps(body))
-            conn = conns[2]
-        else:
-            body["conversation_id"] = cid
-            if t.kind == "exact":
-                body["kv_transfer_params"] = {"prompt_token_ids": ids}
-                body["return_token_ids"] = True
-            status, hdrs, data = await conns[0].post(CHAT, orjson.dumps(body), headers)
-            conn = conns[0]
-        elapsed = loop.time() - t0
-        if status != 200:
-            raise RuntimeError(f"{t.name} answered {status}: {data[:200]!r}")
-        st.latencies.append(elapsed)
-        st.ttfb.append(conn.first_byte_at - t0)
-        st.decisions[hdrs.get("x-agentkv-decision", "—")] += 1
-        content = _content(data, wl.stream)
-        if t.kind in ("exact", "pd"):
-            out = _out_ids(data)
-            if not out:
-                raise RuntimeError(f"{t.name}: no token ids in the answer")
-            ids = [*ids, *out, *tokens.suffix[(turn + 1) % TURNS]]
-        if t.kind == "pd":
-            handle = _d_handle(data, wl.stream)
-        messages = [
-            *messages,
-            {"role": "assistant", "content": content},
-            {"role": "user", "content": question(turn + 1)},
-        ]
 
 
-async def drive(
-    t: Target, wl: Workload, concurrency: int, conversations: int, cell: str, tokens: Tokens
-) -> tuple[Stats, float]:
-    st = Stats()
-    counter = iter(range(conversations))
-    p_url, d_url = tokens.p_url, tokens.d_url
-
-    async def worker() -> None:
-        conns = [Connection(t.url), Connection(p_url), Connection(d_url)]
-        try:
-            for i in counter:
-                try:
-                    await conversation(conns, i, t, wl, cell, tokens, st)
-                except Exception as exc:
-                    st.failures.append(f"{type(exc).__name__}: {exc}"[:300])
-                    for c in conns:
-                        await c.close()
-        finally:
-            for c in conns:
-                await c.close()
-
-    started = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return st, time.perf_counter() - started
+def d_blocks(longest: int) -> int:
+    """D keeps each conversation's last blocks for ``D_TTL_S``: room for a minute of 128k-token
+    conversations from every target, below the router's KV-pressure watermark (0.9)."""
+    return 786_432 if longest > 32_000 else 262_144
 
 
-# -- cells -------------------------------------------------------------------------------------
-
-
-@dataclass
-class Cell:
-    target: Target
-    workload: Workload
-    concurrency: int
-    rounds: list[tuple[Stats, float, float, float]] = field(default_factory=list)
-    """(stats, wall s, proxy CPU s, other cores) per round."""
-
-    def _all(self, name: str) -> list[float]:
-        return [x for r in self.rounds for x in getattr(r[0], name)]
-
-    @property
-    def turns(self) -> int:
-        return sum(len(r[0].latencies) for r in self.rounds)
-
-    @property
-    def failures(self) -> list[str]:
-        return [f for r in self.rounds for f in r[0].failures]
-
-    @property
-    def cpu_ms_rounds(self) -> list[float]:
-        return [r[2] / len(r[0].latencies) * 1000 for r in self.rounds if r[0].latencies]
-
-    @property
-    def cpu_ms(self) -> float:
-        """Median over rounds of the proxy's CPU ms per turn."""
-        xs = self.cpu_ms_rounds
-        return statistics.median(xs) if xs else float("nan")
-
-    @property
-    def rps(self) -> float:
-        wall = sum(r[1] for r in self.rounds)
-        return self.turns / wall if wall else 0.0
-
-    def pct(self, name: str, q: float) -> float:
-        xs = sorted(self._all(name))
-        if not xs:
-            return float("nan")
-        return xs[min(len(xs) - 1, max(0, round(q / 100 * len(xs)) - 1))] * 1000
-
-    @property
-    def other(self) -> float:
-        wall = sum(r[1] for r in self.rounds)
-        return sum(r[1] * r[3] for r in self.rounds) / wall if wall else 0.0
-
-    @property
-    def decisions(self) -> collections.Counter[str]:
-        out: collections.Counter[str] = collections.Counter()
-        for r in self.rounds:
-            out.update(r[0].decisions)
-        return out
+ROUTER_DEADLINES = {"decode_first_byte_timeout_s": 300.0, "prefill_deadline_s": 300.0}
+"""The router's deadlines, raised: at 128k tokens, c=8, on a loaded machine, D's first byte can
+take longer than the 30 s default, and the retry is a second P pass (vLLM's proxy waits
+without a limit)."""
 
 
 def tree_cpu(pid: int) -> float:
@@ -350,144 +130,195 @@ def tree_cpu(pid: int) -> float:
 
 
 def measure(
-    t: Target, wl: Workload, c: int, n_conv: int, rnd: int, tokens: Tokens, pids: list[int]
+    t: Target,
+    wl: Workload,
+    c: int,
+    n_conv: int,
+    warm: tuple[int, int],
+    rnd: int,
+    mat: Material,
+    pids: list[int],
+    turns: int = TURNS,
 ) -> tuple[Stats, float, float, float]:
-    cell = f"{t.key}-{wl.key}-c{c}-r{rnd}-{os.getpid()}"
-    asyncio.run(drive(t, wl, c, max(c, 8), f"{cell}-warm", tokens))
+    """One round of one cell: ``warm`` (conversations, turns) unmeasured, then ``n_conv``
+    conversations of ``turns`` turns, c at a time."""
+    cell = f"{t.key}-{wl.key}-{mat.length}-c{c}-r{rnd}-{os.getpid()}"
+    asyncio.run(drive(t, wl, min(c, warm[0]), warm[0], f"{cell}-warm", mat, warm[1]))
     with CPUMeter(pids) as meter:
         before = tree_cpu(t.pid) if t.pid else 0.0
-        st, wall = asyncio.run(drive(t, wl, c, n_conv, cell, tokens))
+        st, wall = asyncio.run(drive(t, wl, c, n_conv, cell, mat, turns))
         proxy = (tree_cpu(t.pid) - before) if t.pid else 0.0
     return st, wall, proxy, meter.other_cores
 
 
+def rounds(n: int) -> str:
+    return "1 round" if n == 1 else f"{n} rounds"
+
+
+def loadavg() -> str:
+    return ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+# -- memory ---------------------------------------------------------------------------------------
+
+
+def memory(starters: list[tuple[str, str, Any]], mat: Material, conversations: int) -> list[Memory]:
+    """RSS per live conversation of fresh processes: (name, kind, start()) each. Conversations
+    of one turn, one at a time, after ``RSS_WARM`` of them; every one's handle stays live."""
+    rows: list[Memory] = []
+    for name, kind, start in starters:
+        proc = start()
+        try:
+            t = Target("rss", name, proc.url, kind, proc.pid)
+            cell = f"rss-{kind}-{os.getpid()}-{len(rows)}"
+            asyncio.run(drive(t, STREAMED, 1, RSS_WARM, f"{cell}-warm", mat, 1))
+            time.sleep(0.5)
+            before = rss_kib(proc.pid)
+            st, _ = asyncio.run(drive(t, STREAMED, 1, conversations, cell, mat, 1))
+            if st.failures:
+                raise RuntimeError(f"{name}: {st.failures[0]}")
+            time.sleep(0.5)
+            after = rss_kib(proc.pid)
+            handles = None
+            if "router" in name:
+                health = httpx.get(f"{proc.url}/health", timeout=10, trust_env=False).json()
+                handles = health.get("handles")
+            rows.append(Memory(name, mat.length, conversations, before, after, handles))
+            print(
+                f"memory {name}: {before} → {after} KiB, "
+                f"{rows[-1].per_conversation_kib:,.0f} KiB per conversation, handles {handles}",
+                flush=True,
+            )
+        finally:
+            proc.stop()
+    return rows
+
+
 # -- report ------------------------------------------------------------------------------------
 
-ORDER = ["vllm", "floor", "router", "exact", "pd"]
+TARGET_LINES = [
+    "- **vLLM proxy**: vLLM 0.33's `disagg_proxy_multiturn.py`, unmodified, in its own",
+    "  virtualenv (`fastapi uvicorn httpx sniffio`); it logs each request at INFO, as",
+    "  shipped;",
+    "- **relay floor**: `benchmarks/_relay_floor.py`, the same P/D steps in raw asyncio,",
+    "  pooled keep-alive connections, D's bytes passed through (no verification, nothing",
+    "  stripped): the floor for a Python proxy;",
+    "- **agentkv router (chat)**: given the messages: it asks P's `/tokenize`, verifies the",
+    "  handle against the ids, strips internal fields;",
+    "- **agentkv router (exact ids)**: given `kv_transfer_params.prompt_token_ids` and",
+    "  `return_token_ids`, as the SDK sends them;",
+    "- **agentkv router (Messages)**: the same conversation as Anthropic Messages",
+    "  (`POST /v1/messages`, system and content as blocks, `X-Conversation-Id`);",
+    "- **agentkv router (Responses)**: as OpenAI Responses the way Codex sends it",
+    "  (`POST /v1/responses`, `store: false`, the whole input every turn,",
+    "  `prompt_cache_key`);",
+    "- **P then D (client)**: the client does the exact-ids P then D steps itself (the",
+    "  baseline for the router's added latency).",
+]
+
+MEASURE_LINES = [
+    "*CPU ms/turn* is the proxy process's CPU time (`/proc`, user + system) per",
+    "turn, the median of the rounds (min–max in brackets); *× vLLM* divides it by vLLM's",
+    "proxy's in the same cell. Latency is per turn on the client (a raw asyncio HTTP/1.1",
+    "client, one keep-alive connection per worker, in the benchmark's process), TTFB to",
+    "the first body byte. *other*: cores used by processes outside the benchmark during",
+    "the cell (noise).",
+]
 
 
-def report(
-    cells: list[Cell], args: argparse.Namespace, wall_s: float, quiet: float, extra: list[str]
+def lengths_report(
+    cells: list[Cell],
+    mem: list[Memory],
+    mats: list[Material],
+    args: argparse.Namespace,
+    run: dict[str, Any],
+    extra: list[str],
 ) -> str:
-    by = {(c.target.key, c.workload.key, c.concurrency): c for c in cells}
+    concs = ", ".join(f"c={c}" for c in sorted({c.concurrency for c in cells}))
+    sizes = "; ".join(
+        f"{label(m.length)}: {m.exact_tokens:,} in exact ids, {m.chat_tokens:,} as chat"
+        for m in mats
+    )
     lines = [
-        "## Router data plane (and overhead)",
+        "## Router data plane by prompt length (and overhead)",
         "",
-        f"`python benchmarks/router_overhead.py` — {machine()}.",
+        f"`python benchmarks/router_overhead.py{run['argv']}` — {machine()}.",
         "",
         "One simulator P and one simulator D with no simulated delays (`--preset zero",
-        "--time-scale 0`): every millisecond is HTTP, JSON and Python. Conversations of 8",
-        "turns (the next prompt is the history, the answer and a new question, so turns 2–8",
-        "can pull the last turn's KV from D), streamed with 128 tokens per answer",
-        "(`stream_options.include_usage`, as the SDK sends it) or not streamed with 8. Targets,",
-        "each its own process in front of the same P and D:",
+        "--time-scale 0`): every millisecond is HTTP, JSON and Python. Conversations of",
+        f"{args.turns} turns (the next prompt is the history, the answer and a new question,",
+        f"so turns 2–{args.turns} can pull the last turn's KV from D), streamed with 128 tokens",
+        "per answer (`stream_options.include_usage`, as the SDK sends it). The first prompt",
+        "of each conversation is a system prompt unique to it and a shared filler of words,",
+        f"one token each; first-turn prompt tokens: {sizes}. Each turn adds about 155",
+        "tokens. Targets, each its own process in front of the same P and D:",
         "",
-        "- **vLLM proxy**: vLLM 0.33's `disagg_proxy_multiturn.py`, unmodified, in its own",
-        "  virtualenv (`fastapi uvicorn httpx sniffio`); it logs each request at INFO, as",
-        "  shipped;",
-        "- **relay floor**: `benchmarks/_relay_floor.py`, the same P/D steps in raw asyncio,",
-        "  pooled keep-alive connections, D's bytes passed through (no verification, nothing",
-        "  stripped): the floor for a Python proxy;",
-        "- **agentkv router (chat)**: given the messages: it asks P's `/tokenize`, verifies the",
-        "  handle against the ids, strips internal fields;",
-        "- **agentkv router (exact ids)**: given `kv_transfer_params.prompt_token_ids` and",
-        "  `return_token_ids`, as the SDK sends them;",
-        "- **P then D (client)**: the client does the exact-ids P then D steps itself (the",
-        "  baseline for the router's added latency).",
+        *TARGET_LINES,
         "",
-        f"{args.rounds} rounds, the targets in alternating order in each; a warm-up before",
-        "each cell. *CPU ms/turn* is the proxy process's CPU time (`/proc`, user + system) per",
-        "turn, the median of the rounds (min–max in brackets); *× vLLM* divides it by vLLM's",
-        "proxy's in the same cell. Latency is per turn on the client (a raw asyncio HTTP/1.1",
-        "client, one keep-alive connection per worker, in the benchmark's process), TTFB to",
-        "the first body byte. *other*: cores used by processes outside the benchmark during",
-        "the cell (noise).",
+        "The router's `decode_first_byte_timeout_s` and `prefill_deadline_s` are 300 s: their",
+        "30 s defaults fire at 128k tokens, c=8, on a loaded machine, and a retry is a second",
+        "P pass (vLLM's proxy waits without a limit). P keeps its blocks for D's read 240 s",
+        "(the simulator's default 30 s passes there too; vLLM's own is 480 s).",
         "",
-        "| workload | c | target | CPU ms/turn | × vLLM | turns/s | p50 ms | p99 ms | TTFB p50 "
-        "| decisions | other |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---|---:|",
-    ]
-    for wl in (STREAMED, PLAIN):
-        for c in sorted({x.concurrency for x in cells if x.workload == wl}):
-            base = by.get(("vllm", wl.key, c))
-            keys = ORDER + sorted({x.target.key for x in cells} - set(ORDER))
-            for key in keys:
-                cell = by.get((key, wl.key, c))
-                if cell is None:
-                    continue
-                rs = cell.cpu_ms_rounds
-                cpu = (
-                    f"{cell.cpu_ms:.2f} ({min(rs):.2f}–{max(rs):.2f})"
-                    if cell.target.pid and rs
-                    else "—"
-                )
-                ratio = (
-                    f"{cell.cpu_ms / base.cpu_ms:.2f}"
-                    if base and cell.target.pid and base.cpu_ms
-                    else "—"
-                )
-                dec = ", ".join(f"{k} {v}" for k, v in cell.decisions.most_common() if k != "—")
-                fails = f" ({len(cell.failures)} failed)" if cell.failures else ""
-                lines.append(
-                    f"| {wl.name} | {c} | {cell.target.name}{fails} | {cpu} | {ratio} "
-                    f"| {cell.rps:,.0f} | {cell.pct('latencies', 50):.2f} "
-                    f"| {cell.pct('latencies', 99):.2f} | {cell.pct('ttfb', 50):.2f} "
-                    f"| {dec or '—'} | {cell.other:.2f} |"
-                )
-    lines += ["", *verdict(by, cells), *extra]
-    failed = [c for c in cells if c.failures]
-    if failed:
-        lines += ["", "Failed turns (first message of each cell):", ""]
-        lines += [
-            f"- {c.target.name}, {c.workload.name}, c={c.concurrency}: {len(c.failures)}, "
-            f"`{c.failures[0]}`"
-            for c in failed
-        ]
-    lines += [
+        f"{rounds(args.rounds)}, the targets in alternating order in each, {concs}; per cell and",
+        f"round {run['conversations']} conversations; before each cell, warm-up conversations",
+        "of 2 turns. " + " ".join(MEASURE_LINES[:1]),
+        *MEASURE_LINES[1:],
         "",
-        f"Whole run: {wall_s:.0f} s; load outside the benchmark at start: {quiet:.2f} cores.",
+        f"**Load**: `uptime`'s load average (1, 5, 15 min) at the start {run['load_start']},",
+        f"at the end {run['load_end']}, on {os.cpu_count()} cores shared with other work; "
+        f"cores used outside the benchmark at the start: {run['quiet']:.2f}.",
+        "",
+        "Router CPU ms per turn by prompt length (streamed, 128 tokens; medians of the rounds):",
+        "",
+        *length_tables(cells),
+        *memory_table(mem, RSS_WARM),
+        "",
+        *length_goals(cells, mem),
+        "",
+        "Every cell:",
+        "",
+        *cell_table(cells),
+        *extra,
+        *failed_cells(cells),
+        "",
+        f"Whole run: {run['wall_s']:.0f} s.",
     ]
     return "\n".join(lines)
 
 
-def verdict(by: dict[tuple[str, str, int], Cell], cells: list[Cell]) -> list[str]:
-    out = []
-    for key in ("router", "exact"):
-        c64, v64 = by.get((key, "stream", 64)), by.get(("vllm", "stream", 64))
-        if c64 and v64:
-            ratio = c64.cpu_ms / v64.cpu_ms
-            out.append(
-                f"- {c64.target.name}, streamed, c=64: {c64.cpu_ms:.2f} ms CPU/turn, "
-                f"{ratio:.2f} × vLLM's proxy ({v64.cpu_ms:.2f} ms): goal ≤ 0.33, "
-                f"**{'met' if ratio <= 1 / 3 else 'not met'}**."
-            )
-        xs = [
-            by[(key, "stream", c)].cpu_ms
-            for c in sorted({x.concurrency for x in cells})
-            if (key, "stream", c) in by
-        ]
-        if len(xs) > 1:
-            mid = statistics.median(xs)
-            spread = max(abs(x - mid) / mid for x in xs)
-            out.append(
-                f"- {by[(key, 'stream', 64)].target.name if (key, 'stream', 64) in by else key}"
-                f", streamed, CPU/turn across c: {', '.join(f'{x:.2f}' for x in xs)} ms, "
-                f"±{spread:.0%} around the median (goal ±20 %)."
-            )
-        p1, d1 = by.get((key, "plain", 64)), by.get(("vllm", "plain", 64))
-        if p1 and d1:
-            out.append(
-                f"- {p1.target.name}, non-streamed, c=64: {p1.cpu_ms:.2f} ms, "
-                f"{p1.cpu_ms / d1.cpu_ms:.2f} × vLLM's proxy."
-            )
-    e1, b1 = by.get(("exact", "stream", 1)), by.get(("pd", "stream", 1))
-    if e1 and b1:
-        added = e1.pct("latencies", 50) - b1.pct("latencies", 50)
-        out.append(
-            f"- Added p50 latency at c=1 over the client doing P then D itself (exact ids, "
-            f"streamed): {added:+.2f} ms (goal ≤ 1 ms)."
-        )
-    return out
+def sweep_report(
+    cells: list[Cell], args: argparse.Namespace, run: dict[str, Any], extra: list[str]
+) -> str:
+    lines = [
+        "## Router data plane: short prompts across concurrency",
+        "",
+        f"`python benchmarks/router_overhead.py{run['argv']}` — {machine()}.",
+        "",
+        "One simulator P and one simulator D with no simulated delays (`--preset zero",
+        "--time-scale 0`): every millisecond is HTTP, JSON and Python. Conversations of 8",
+        "turns (the next prompt is the history, the answer and a new question, so turns 2–8",
+        "can pull the last turn's KV from D; a system prompt of about 40 tokens), streamed",
+        "with 128 tokens per answer (`stream_options.include_usage`, as the SDK sends it) or",
+        "not streamed with 8. Targets, each its own process in front of the same P and D:",
+        "",
+        *TARGET_LINES,
+        "",
+        f"{rounds(args.rounds)}, the targets in alternating order in each; a warm-up before",
+        "each cell. " + " ".join(MEASURE_LINES[:1]),
+        *MEASURE_LINES[1:],
+        "",
+        *cell_table(cells),
+        "",
+        *sweep_goals(cells),
+        *extra,
+        *failed_cells(cells),
+        "",
+        f"Whole run: {run['wall_s']:.0f} s; load outside the benchmark at start: "
+        f"{run['quiet']:.2f} cores; load average at the start {run['load_start']}, at the end "
+        f"{run['load_end']}.",
+    ]
+    return "\n".join(lines)
 
 
 # -- profile -------------------------------------------------------------------------------------
@@ -531,9 +362,6 @@ def summarize_profile(path: Path) -> list[str]:
     return [f"{lib} {n / total:.0%}" for lib, n in self_by.most_common(12)]
 
 
-# -- processes -----------------------------------------------------------------------------------
-
-
 def start_router(
     cfg: dict[str, Any], logs: Path, server: str = "cli", name: str = "router"
 ) -> Proc:
@@ -559,16 +387,68 @@ def start_vllm_proxy(python: str, p: str, d: str, logs: Path) -> Proc:
     return start_process("vllm-proxy", argv, logs, python=python)
 
 
+def memory_phase(
+    args: argparse.Namespace, length: int, conversations: int, keep: set[str] | None
+) -> list[Memory]:
+    """RSS per live conversation of the router (exact ids, chat) and of vLLM's proxy, each a
+    fresh process in front of a fresh P and D that keep every handle for 600 s (and a router
+    told so: no handle expires or is released for KV pressure while memory is measured)."""
+    ttl = 600.0
+    with one_p_one_d(sim_args(ttl_s=ttl), sim_args(524_288, ttl)) as engines:
+        p, d, logs = engines.p, engines.d, engines.logs
+        cfg = engines.router_config(
+            decoder_kv_blocks_ttl_s=ttl, ttl_margin_s=10.0, **ROUTER_DEADLINES
+        )
+        mat = Material(p.url, d.url, length)
+        starters: list[tuple[str, str, Any]] = []
+        if keep is None or "exact" in keep:
+            starters.append(
+                ("agentkv router (exact ids)", "exact", lambda: start_router(cfg, logs))
+            )
+        if keep is None or "router" in keep:
+            starters.append(("agentkv router (chat)", "chat", lambda: start_router(cfg, logs)))
+        if keep is None or "vllm" in keep:
+            starters.append(
+                (
+                    "vLLM proxy",
+                    "chat",
+                    lambda: start_vllm_proxy(args.vllm_proxy_python, p.url, d.url, logs),
+                )
+            )
+        return memory(starters, mat, conversations)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few turns per cell")
     parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--lengths",
+        help=f"first-prompt lengths, comma-separated, of {','.join(LENGTHS)} "
+        "(default 1k,8k,32k,128k; 'short' alone: the concurrency sweep)",
+    )
+    parser.add_argument("--rounds", type=int, help="default 2 (--quick: 1)")
+    parser.add_argument("--turns", type=int, default=TURNS, help="turns per conversation")
     parser.add_argument("--conversations", type=int, help="conversations per cell and round")
-    parser.add_argument("--wait-quiet", type=float, default=30.0, metavar="S")
-    parser.add_argument("--concurrency", type=int, action="append", help="default 1 16 64 256")
-    parser.add_argument("--plain-concurrency", type=int, action="append", help="default 64")
-    parser.add_argument("--targets", help="comma-separated subset of vllm,floor,router,exact,pd")
+    parser.add_argument("--wait-quiet", type=float, metavar="S", help="default 30 (--quick: 0)")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        action="append",
+        help="default 1 8 (--quick: 1 2; short: 1 16 64 256)",
+    )
+    parser.add_argument(
+        "--plain-concurrency", type=int, action="append", help="default none (short: 64)"
+    )
+    parser.add_argument(
+        "--targets",
+        help="comma-separated subset of vllm,floor,router,exact,messages,responses,pd",
+    )
+    parser.add_argument(
+        "--rss-conversations",
+        type=int,
+        help=f"live conversations for the memory figure (default {RSS_CONVERSATIONS}; 0: none)",
+    )
     parser.add_argument("--compare", action="store_true", help="router variants (client, server)")
     parser.add_argument("--profile", action="store_true", help="py-spy the router at c=64")
     parser.add_argument(
@@ -577,32 +457,84 @@ def main() -> None:
         help="python of a virtualenv with fastapi uvicorn httpx sniffio",
     )
     args = parser.parse_args()
-    concs = args.concurrency or [1, 16, 64, 256]
-    plain_concs = args.plain_concurrency or [64]
+    names = (args.lengths or ("1k,8k" if args.quick else "1k,8k,32k,128k")).split(",")
+    unknown = [n for n in names if n not in LENGTHS]
+    if unknown:
+        parser.error(f"unknown length {', '.join(unknown)}; known: {', '.join(LENGTHS)}")
+    lengths = [LENGTHS[n] for n in names]
+    sweep = lengths == [0]
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 2
+    concs = args.concurrency or ([1, 16, 64, 256] if sweep else [1, 2] if args.quick else [1, 8])
+    plain_concs = args.plain_concurrency or ([64] if sweep else [])
+    wait_s = args.wait_quiet if args.wait_quiet is not None else (0.0 if args.quick else 30.0)
+    rss_n = args.rss_conversations
+    if rss_n is None:
+        rss_n = 0 if sweep else (4 if args.quick else RSS_CONVERSATIONS)
 
-    def n_conv(c: int) -> int:
+    def n_conv(length: int, c: int) -> int:
         if args.conversations:
-            return max(c, args.conversations)
-        return max(c, 8 if args.quick else 32) if c < 256 else c
+            return max(c, int(args.conversations))
+        if args.quick:
+            return max(c, 8 if sweep else 1)
+        return max(c, CONVERSATIONS[length]) if c < 256 else c
 
+    def warm(length: int, c: int) -> tuple[int, int]:
+        """(conversations, turns) of a cell's warm-up."""
+        if sweep:
+            return max(c, 8), args.turns
+        return (min(c, 8 if length <= 8_000 else 2), 2)
+
+    argv = " ".join(sys.argv[1:])
+    run: dict[str, Any] = {
+        "argv": f" {argv}" if argv else "",
+        "load_start": loadavg(),
+        "conversations": ", ".join(
+            f"{label(n)}: {'/'.join(str(n_conv(n, c)) for c in concs)}" for n in lengths
+        )
+        + (f" at c={'/'.join(str(c) for c in concs)}" if not sweep else ""),
+    }
+    print(f"load average at the start: {run['load_start']}", flush=True)
     started = time.perf_counter()
     extra: list[str] = []
-    with one_p_one_d(SIM_ARGS) as engines:
+    mem: list[Memory] = []
+    mats: list[Material] = []
+    cells: list[Cell] = []
+    keep = set(args.targets.split(",")) if args.targets else None
+    with one_p_one_d(sim_args(), sim_args(d_blocks(max(lengths)))) as engines:
         p, d, logs, procs = engines.p, engines.d, engines.logs, engines.procs
-        cfg = engines.router_config(decoder_kv_blocks_ttl_s=D_TTL_S, ttl_margin_s=10.0)
-        router = start_router(cfg, logs)
-        vllm = start_vllm_proxy(args.vllm_proxy_python, p.url, d.url, logs)
-        floor = start_process(
-            "floor", lambda port: ["-m", "benchmarks._relay_floor", str(port), p.url, d.url], logs
+        cfg = engines.router_config(
+            decoder_kv_blocks_ttl_s=D_TTL_S, ttl_margin_s=10.0, **ROUTER_DEADLINES
         )
-        procs += [router, vllm, floor]
-        targets = [
-            Target("vllm", "vLLM proxy", vllm.url, "chat", vllm.pid),
-            Target("floor", "relay floor", floor.url, "chat", floor.pid),
-            Target("router", "agentkv router (chat)", router.url, "chat", router.pid),
-            Target("exact", "agentkv router (exact ids)", router.url, "exact", router.pid),
-            Target("pd", "P then D (client)", d.url, "pd", None),
-        ]
+
+        def wanted(key: str) -> bool:
+            return keep is None or key in keep
+
+        targets: list[Target] = []
+        if wanted("vllm"):
+            vllm = start_vllm_proxy(args.vllm_proxy_python, p.url, d.url, logs)
+            procs.append(vllm)
+            targets.append(Target("vllm", "vLLM proxy", vllm.url, "chat", vllm.pid))
+        if wanted("floor"):
+            floor = start_process(
+                "floor",
+                lambda port: ["-m", "benchmarks._relay_floor", str(port), p.url, d.url],
+                logs,
+            )
+            procs.append(floor)
+            targets.append(Target("floor", "relay floor", floor.url, "chat", floor.pid))
+        router = start_router(cfg, logs)
+        procs.append(router)
+        for key, name, kind in (
+            ("router", "agentkv router (chat)", "chat"),
+            ("exact", "agentkv router (exact ids)", "exact"),
+            ("messages", "agentkv router (Messages)", "messages"),
+            ("responses", "agentkv router (Responses)", "responses"),
+        ):
+            if wanted(key):
+                targets.append(Target(key, name, router.url, kind, router.pid))
+        if wanted("pd"):
+            targets.append(Target("pd", "P then D (client)", d.url, "pd", None))
         if args.compare:
             variants = [
                 ("httpx", "router, httpx upstream (exact)", {"upstream_client": "httpx"}, "cli"),
@@ -614,45 +546,68 @@ def main() -> None:
                 proc = start_router({**cfg, **over}, logs, server, key)
                 procs.append(proc)
                 targets.append(Target(key, name, proc.url, "exact", proc.pid))
-        if args.targets:
-            keep = set(args.targets.split(","))
-            targets = [t for t in targets if t.key in keep]
-        tokens = Tokens(p.url, d.url)
         sim_pids = [p.process.pid, d.process.pid]
-        quiet = wait_quiet([*sim_pids, *(x.pid for x in procs)], max_wait_s=args.wait_quiet)
-        print(f"load outside the benchmark: {quiet:.2f} cores", flush=True)
-        cells: list[Cell] = []
+        run["quiet"] = wait_quiet([*sim_pids, *(x.pid for x in procs)], max_wait_s=wait_s)
+        print(f"load outside the benchmark: {run['quiet']:.2f} cores", flush=True)
         plan = [(STREAMED, c) for c in concs] + [(PLAIN, c) for c in plain_concs]
-        for wl, c in plan:
-            # the client's own P then D is the latency baseline at c=1 only
-            here = [t for t in targets if t.kind != "pd" or (c == 1 and wl == STREAMED)]
-            done = {t.key: Cell(t, wl, c) for t in here}
-            for rnd in range(args.rounds):
-                order = here if rnd % 2 == 0 else here[::-1]
-                for t in order:
-                    res = measure(t, wl, c, n_conv(c), rnd, tokens, sim_pids)
-                    done[t.key].rounds.append(res)
-                    st, wall, cpu, other = res
-                    print(
-                        f"{wl.key} c={c} r{rnd} {t.name}: {len(st.latencies) / wall:,.0f} "
-                        f"turns/s, p50 {statistics.median(st.latencies) * 1000:.2f} ms, CPU "
-                        f"{cpu / max(1, len(st.latencies)) * 1000:.2f} ms/turn, other "
-                        f"{other:.2f}, {dict(st.decisions)}, {len(st.failures)} failed"
-                        f"{': ' + st.failures[0] if st.failures else ''}",
-                        flush=True,
-                    )
-            cells += done.values()
+        for length in lengths:
+            mat = Material(p.url, d.url, length)
+            mats.append(mat)
+            print(
+                f"prompt {label(length)}: {mat.exact_tokens} tokens in exact ids, "
+                f"{mat.chat_tokens} as chat",
+                flush=True,
+            )
+            for wl, c in plan:
+                # the client's own P then D is the latency baseline at c=1 only
+                here = [t for t in targets if t.kind != "pd" or (c == 1 and wl == STREAMED)]
+                done = {t.key: Cell(t, wl, length, c) for t in here}
+                for rnd in range(args.rounds):
+                    order = here if rnd % 2 == 0 else here[::-1]
+                    for t in order:
+                        res = measure(
+                            t,
+                            wl,
+                            c,
+                            n_conv(length, c),
+                            warm(length, c),
+                            rnd,
+                            mat,
+                            sim_pids,
+                            args.turns,
+                        )
+                        done[t.key].rounds.append(res)
+                        st, wall, cpu, other = res
+                        print(
+                            f"{wl.key} {label(length)} c={c} r{rnd} {t.name}: "
+                            f"{len(st.latencies) / wall:,.1f} turns/s, p50 "
+                            f"{statistics.median(st.latencies or [0]) * 1000:.2f} ms, CPU "
+                            f"{cpu / max(1, len(st.latencies)) * 1000:.2f} ms/turn, other "
+                            f"{other:.2f}, {dict(st.decisions)}, {len(st.failures)} failed"
+                            f"{': ' + st.failures[0] if st.failures else ''}",
+                            flush=True,
+                        )
+                cells += done.values()
         if args.profile:
-            extra += profile(cfg, logs, tokens)
-    body = report(cells, args, time.perf_counter() - started, quiet, extra)
+            extra += profile(cfg, logs, mats[0])
+    if rss_n:
+        rss_len = 32_000 if 32_000 in lengths else max(lengths)
+        mem = memory_phase(args, rss_len, rss_n, keep)
+    run["wall_s"] = time.perf_counter() - started
+    run["load_end"] = loadavg()
+    print(f"load average at the end: {run['load_end']}", flush=True)
+    if sweep:
+        body = sweep_report(cells, args, run, extra)
+    else:
+        body = lengths_report(cells, mem, mats, args, run, extra)
     print(body)
     if not args.no_write:
-        write_section("router_overhead", body)
+        write_section("router_overhead_short" if sweep else "router_overhead", body)
     if any(c.failures for c in cells):
         sys.exit(1)
 
 
-def profile(cfg: dict[str, Any], logs: Path, tokens: Tokens) -> list[str]:
+def profile(cfg: dict[str, Any], logs: Path, mat: Material) -> list[str]:
     """py-spy (``record --format raw``) on a fresh router process, c=64, streamed."""
     out = logs / "router.pyspy.txt"
     spy = str(Path(sys.executable).with_name("py-spy"))
@@ -672,11 +627,9 @@ def profile(cfg: dict[str, Any], logs: Path, tokens: Tokens) -> list[str]:
         return ["", f"py-spy did not run the router ({exc.reason}; ptrace not permitted?)."]
     url = proc.url
     try:
-        results = []
         for kind, name in (("exact", "exact ids"), ("chat", "chat")):
             t = Target("prof", name, url, kind, None)
-            asyncio.run(drive(t, STREAMED, 64, 128, f"prof-{kind}-{os.getpid()}", tokens))
-            results.append(name)
+            asyncio.run(drive(t, STREAMED, 64, 128, f"prof-{kind}-{os.getpid()}", mat))
     finally:
         proc.process.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -687,8 +640,8 @@ def profile(cfg: dict[str, Any], logs: Path, tokens: Tokens) -> list[str]:
     return [
         "",
         "Where the router's CPU goes (py-spy, `record --format raw` at 200 Hz on a fresh",
-        "router process, c=64, streamed, 128 conversations in exact-ids then chat mode; self",
-        "time of the innermost Python frame, by library): "
+        f"router process, c=64, streamed, {label(mat.length)} prompts, 128 conversations in",
+        "exact-ids then chat mode; self time of the innermost Python frame, by library): "
         + ", ".join(summarize_profile(out))
         + ".",
     ]

@@ -1,11 +1,12 @@
 """SDK overhead per turn: ``agentkv`` exact-mode conversations against plain ``openai`` calls.
 
 Both clients drive the same simulator process (no simulated delays) through conversations whose
-history holds about 1k, 32k and 128k tokens. Each HTTP call goes through a transport that
+history holds about 1k, 8k, 32k and 128k tokens. Each HTTP call goes through a transport that
 clocks it, so a turn's time splits into time inside HTTP calls (network + server) and time on
-the client. The figure that matters is the client time agentkv **adds** to what ``openai``
-itself spends (building and serialising the request, parsing the response): it must not grow
-with the history (target: ≤ 1 ms per turn at 128k tokens).
+the client. The figures that matter are the client time agentkv **adds** to what ``openai``
+itself spends (building and serialising the request, parsing the response), which must not grow
+with the history (target: ≤ 1 ms per turn at 128k tokens), and the client process's CPU per
+turn against plain ``openai``'s (issue 23: ≤ 1.5× at 8k and at 128k).
 
 Run: ``python benchmarks/sdk_overhead.py`` (``--quick`` for a smoke run; writes its section of
 docs/benchmarks.md unless ``--no-write``).
@@ -14,6 +15,7 @@ docs/benchmarks.md unless ``--no-write``).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -66,16 +68,23 @@ class _TimedHTTPX2(_Timed, httpx2.HTTPTransport):
 
 @dataclass
 class Row:
+    size: int
     history: int
     plain_wall_ms: float
     plain_client_ms: float
     agentkv_wall_ms: float
     agentkv_client_ms: float
     logic_ms: float
+    plain_cpu_ms: float
+    agentkv_cpu_ms: float
 
     @property
     def added_ms(self) -> float:
         return self.agentkv_client_ms - self.plain_client_ms
+
+    @property
+    def cpu_ratio(self) -> float:
+        return self.agentkv_cpu_ms / self.plain_cpu_ms if self.plain_cpu_ms else float("nan")
 
 
 class _Logic:
@@ -128,36 +137,47 @@ def _measure(url: str, history: int, turns: int, clock: _Clock, logic: _Logic) -
     conv = client.conversation(model="sim", system=system)
     messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
     plain_wall, plain_client, ak_wall, ak_client, ak_logic = [], [], [], [], []
+    plain_cpu, ak_cpu = [], []
     for turn in range(turns + 1):
         question = f"Question {turn}: what changed in step {turn}?"
         # plain openai: resend every message, as agents do
         messages.append({"role": "user", "content": question})
-        clock.inside, t = 0.0, time.perf_counter()
+        clock.inside, t, cpu = 0.0, time.perf_counter(), time.process_time()
         r = oc.chat.completions.create(model="sim", messages=messages, max_tokens=16)  # type: ignore[arg-type]
         wall = time.perf_counter() - t
         if turn:
             plain_wall.append(wall)
             plain_client.append(wall - clock.inside)
+            plain_cpu.append(time.process_time() - cpu)
         messages.append({"role": "assistant", "content": r.choices[0].message.content})
         # agentkv: exact ids, only the new message rendered
         conv.add_user(question)
         clock.inside, logic.spent, t = 0.0, 0.0, time.perf_counter()
+        cpu = time.process_time()
         conv.create(max_tokens=16)
         wall = time.perf_counter() - t
         if turn:
             ak_wall.append(wall)
             ak_client.append(wall - clock.inside)
             ak_logic.append(logic.spent)
+            ak_cpu.append(time.process_time() - cpu)
     client.close()
     med = statistics.median
     return Row(
+        size=history,
         history=len(conv.token_ids or []),
         plain_wall_ms=med(plain_wall) * 1000,
         plain_client_ms=med(plain_client) * 1000,
         agentkv_wall_ms=med(ak_wall) * 1000,
         agentkv_client_ms=med(ak_client) * 1000,
         logic_ms=med(ak_logic) * 1000,
+        plain_cpu_ms=med(plain_cpu) * 1000,
+        agentkv_cpu_ms=med(ak_cpu) * 1000,
     )
+
+
+def _loadavg() -> str:
+    return ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def main() -> None:
@@ -165,7 +185,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small histories, few turns")
     parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
     args = parser.parse_args()
-    sizes = [1_000, 8_000] if args.quick else [1_000, 32_000, 128_000]
+    sizes = [1_000, 8_000] if args.quick else [1_000, 8_000, 32_000, 128_000]
     turns = 3 if args.quick else 8
     (sim,) = start_sims(
         [
@@ -183,6 +203,8 @@ def main() -> None:
     )
     clock = _Clock()
     logic = _Logic(clock)
+    load_start = _loadavg()
+    started = time.perf_counter()
     try:
         rows = []
         for size in sizes:
@@ -190,6 +212,7 @@ def main() -> None:
             rows.append(_measure(sim.url, size, turns, clock, logic))
     finally:
         sim.stop()
+    wall_s, load_end = time.perf_counter() - started, _loadavg()
     lines = [
         "## SDK overhead per turn",
         "",
@@ -203,17 +226,27 @@ def main() -> None:
         "logic* is the time in agentkv's own steps (ledger, renderer assembly, checks); the",
         "rest of the added time is the `openai` client encoding the prompt ids into the request",
         "and decoding vLLM's echo of them (`return_token_ids` returns both), which exact mode",
-        "on vLLM 0.33's API cannot avoid and which grows with the history.",
+        "on vLLM 0.33's API cannot avoid and which grows with the history. *CPU* is the",
+        "client process's CPU time per turn (`time.process_time()`: encoding, decoding,",
+        "agentkv's steps, the HTTP client; the simulator is another process), *CPU ×",
+        "openai* agentkv's divided by plain `openai`'s (issue 23's goal: ≤ 1.5 at 8k and at",
+        f"128k). {turns} turns per history size; *prompt*: the size of the system prompt.",
         "",
-        "| history tokens | openai wall ms | agentkv wall ms | openai client ms "
-        "| agentkv client ms | added ms | of which agentkv logic |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        f"**Load**: `uptime`'s load average (1, 5, 15 min) at the start {load_start}, at the",
+        f"end {load_end}, on {os.cpu_count()} cores shared with other work; the run took",
+        f"{wall_s:.0f} s.",
+        "",
+        "| prompt | history tokens | openai wall ms | agentkv wall ms | openai client ms "
+        "| agentkv client ms | added ms | of which agentkv logic | openai CPU ms "
+        "| agentkv CPU ms | CPU × openai |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r.history:,} | {r.plain_wall_ms:.1f} | {r.agentkv_wall_ms:.1f} | "
-            f"{r.plain_client_ms:.2f} | {r.agentkv_client_ms:.2f} | {r.added_ms:+.2f} | "
-            f"{r.logic_ms:.2f} |"
+            f"| {r.size // 1000}k | {r.history:,} | {r.plain_wall_ms:.1f} "
+            f"| {r.agentkv_wall_ms:.1f} | {r.plain_client_ms:.2f} | {r.agentkv_client_ms:.2f} "
+            f"| {r.added_ms:+.2f} | {r.logic_ms:.2f} | {r.plain_cpu_ms:.2f} "
+            f"| {r.agentkv_cpu_ms:.2f} | {r.cpu_ratio:.2f} |"
         )
     body = "\n".join(lines)
     print(body)

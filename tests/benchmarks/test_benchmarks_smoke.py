@@ -1,11 +1,13 @@
 """The benchmarks still run: each one's ``--quick --no-write`` smoke run, end to end on real
 processes (they start their own simulators and routers on free ports). Their figures are not
 checked here (benchmarks measure; docs/benchmarks.md has the figures), only that they finish
-and that their own checks pass. ``router_overhead.py`` needs a second virtualenv with vLLM's
-proxy dependencies and is left out."""
+and that their own checks pass. ``router_overhead.py`` runs vLLM's example proxy from a second
+virtualenv with its dependencies (``.venv-vllm-proxy`` or ``VLLM_PROXY_PYTHON``); without one
+its smoke run leaves that target out."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,15 +16,16 @@ import pytest
 
 pytestmark = pytest.mark.e2e
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+ROOT = Path(__file__).resolve().parents[2]
+BENCHMARKS = ROOT / "benchmarks"
 
 
-def _run(script: str) -> str:
+def _run(script: str, *args: str, timeout: float = 240) -> str:
     r = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), "--quick", "--no-write"],
+        [sys.executable, str(BENCHMARKS / script), "--quick", "--no-write", *args],
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=timeout,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r.stdout
@@ -37,3 +40,16 @@ def test_router_load_runs_and_its_checks_pass() -> None:
     out = _run("router_load.py")
     checks = [line for line in out.splitlines() if line.startswith("Checks:")]
     assert checks and "FAILED" not in checks[0], out[-2000:]
+
+
+def test_router_overhead_runs() -> None:
+    """Every target, prompt lengths 1k and 8k, c=1 and 2, the memory figure; no turn fails."""
+    proxy = Path(os.environ.get("VLLM_PROXY_PYTHON", ROOT / ".venv-vllm-proxy/bin/python"))
+    targets = ["floor", "router", "exact", "messages", "responses", "pd"]
+    if proxy.exists():
+        targets.insert(0, "vllm")
+    out = _run("router_overhead.py", "--targets", ",".join(targets), timeout=600)
+    assert "| prompt | c | router exact ids | router chat | vLLM proxy |" in out
+    assert "| 8k | 2 |" in out
+    assert "| prompt | c | router chat | Messages | Responses |" in out
+    assert "| agentkv router (exact ids) |" in out  # the memory table
