@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, overload
+from urllib.parse import quote
 
 import httpx
 import openai
@@ -204,7 +205,10 @@ class _BaseConversation(Generic[ClientT]):
             self._client._lease.forget(self)
         ledger = self._ledger
         headers = {HEADER_CONVERSATION_ID: ledger.id, HEADER_EPOCH: str(ledger.epoch)}
-        url = root_url(self._client.openai.base_url) + f"/v1/conversations/{ledger.id}"
+        url = (
+            root_url(self._client.openai.base_url)
+            + f"/v1/conversations/{quote(ledger.id, safe='')}"
+        )
         return url, headers
 
 

@@ -28,6 +28,7 @@ import weakref
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, replace
 from typing import Any, Generic, TypeVar
+from urllib.parse import quote
 
 import httpx
 from typing_extensions import Self
@@ -56,8 +57,9 @@ MIN_INTERVAL_S = 0.01
 
 
 def lease_path(conversation_id: str) -> str:
-    """The single-conversation renewal route (the SDK itself always batches)."""
-    return f"/v1/conversations/{conversation_id}/lease"
+    """The single-conversation renewal route (the SDK itself always batches); the id is
+    percent-encoded, so one holding ``/``, ``?``, ``#`` or ``%`` names itself."""
+    return f"/v1/conversations/{quote(conversation_id, safe='')}/lease"
 
 
 def check_lease_s(lease_s: float) -> float:

@@ -100,3 +100,22 @@ def test_a_plain_client_with_a_harness_header_pulls(tmp_path: Path) -> None:
         for source in ("claude-code", "codex", "opencode", "dynamo"):
             assert sources.get(f"agentkv_router_conversation_sources_total[{source}]") == 2, sources
         assert s.wrong_kv() == 0
+
+
+@pytest.mark.e2e
+def test_the_sdk_closes_a_conversation_whose_id_has_url_characters(tmp_path: Path) -> None:
+    """An id with ``/``, ``?``, ``#`` and ``%`` is percent-encoded by the SDK and decoded by the
+    router: closing it releases the handle its turn left on D."""
+    import agentkv
+
+    with stack(tmp_path) as s:
+        client = agentkv.Client(base_url=f"{s.router.url}/v1", api_key="sk-local")
+        conv = client.conversation("team/a?b#c%d", model=MODEL, system="Keep it short.")
+        conv.add_user("hello")
+        conv.create(max_tokens=4)
+        health = httpx.get(f"{s.router.url}/health", timeout=10).json()
+        assert health["handles"] == 1, health
+        assert conv.close() is True
+        health = httpx.get(f"{s.router.url}/health", timeout=10).json()
+        assert health["handles"] == 0, health
+        client.close()

@@ -192,6 +192,7 @@ def test_header_values_and_bad_leases() -> None:
     with pytest.raises(ValueError, match="lease_s"):
         agentkv.Client(base_url="http://127.0.0.1:9/v1", api_key="k", lease_s=0)
     assert lease_path("abc") == "/v1/conversations/abc/lease"
+    assert lease_path("a/b?c#d%e") == "/v1/conversations/a%2Fb%3Fc%23d%25e/lease"
 
 
 def test_http_settings_come_from_the_openai_client() -> None:
