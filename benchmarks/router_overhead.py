@@ -235,10 +235,8 @@ def lengths_report(
     extra: list[str],
 ) -> str:
     concs = ", ".join(f"c={c}" for c in sorted({c.concurrency for c in cells}))
-    sizes = "; ".join(
-        f"{label(m.length)}: {m.exact_tokens:,} in exact ids, {m.chat_tokens:,} as chat"
-        for m in mats
-    )
+    sizes = ", ".join(f"{label(m.length)} {m.exact_tokens:,} / {m.chat_tokens:,}" for m in mats)
+    per = "/".join(str(c) for c in sorted({c.concurrency for c in cells}))
     lines = [
         "## Router data plane by prompt length (and overhead)",
         "",
@@ -250,8 +248,10 @@ def lengths_report(
         f"so turns 2–{args.turns} can pull the last turn's KV from D), streamed with 128 tokens",
         "per answer (`stream_options.include_usage`, as the SDK sends it). The first prompt",
         "of each conversation is a system prompt unique to it and a shared filler of words,",
-        f"one token each; first-turn prompt tokens: {sizes}. Each turn adds about 155",
-        "tokens. Targets, each its own process in front of the same P and D:",
+        "one token each; each turn adds about 155 tokens. First-turn prompt tokens in exact",
+        f"ids / as chat: {sizes}.",
+        "",
+        "Targets, each its own process in front of the same P and D:",
         "",
         *TARGET_LINES,
         "",
@@ -260,16 +260,18 @@ def lengths_report(
         "P pass (vLLM's proxy waits without a limit). P keeps its blocks for D's read 240 s",
         "(the simulator's default 30 s passes there too; vLLM's own is 480 s).",
         "",
-        f"{rounds(args.rounds)}, the targets in alternating order in each, {concs}; per cell and",
-        f"round {run['conversations']} conversations; before each cell, warm-up conversations",
-        "of 2 turns. " + " ".join(MEASURE_LINES[:1]),
+        f"{rounds(args.rounds)}, the targets in alternating order in each, {concs}.",
+        f"Conversations per cell and round at c={per}: {run['conversations']}; before each",
+        "cell, warm-up conversations of 2 turns. " + MEASURE_LINES[0],
         *MEASURE_LINES[1:],
         "",
         f"**Load**: `uptime`'s load average (1, 5, 15 min) at the start {run['load_start']},",
         f"at the end {run['load_end']}, on {os.cpu_count()} cores shared with other work; "
         f"cores used outside the benchmark at the start: {run['quiet']:.2f}.",
         "",
-        "Router CPU ms per turn by prompt length (streamed, 128 tokens; medians of the rounds):",
+        "Router CPU ms per turn by prompt length (streamed, 128 tokens; medians of the rounds).",
+        "*Added p50* (c=1): the router's p50 latency minus the client's own P then D's (which",
+        "sends exact ids); the chat figure includes P's `/tokenize` of the whole conversation.",
         "",
         *length_tables(cells),
         *memory_table(mem, RSS_WARM),
@@ -490,9 +492,8 @@ def main() -> None:
         "argv": f" {argv}" if argv else "",
         "load_start": loadavg(),
         "conversations": ", ".join(
-            f"{label(n)}: {'/'.join(str(n_conv(n, c)) for c in concs)}" for n in lengths
-        )
-        + (f" at c={'/'.join(str(c) for c in concs)}" if not sweep else ""),
+            f"{label(n)} {'/'.join(str(n_conv(n, c)) for c in concs)}" for n in lengths
+        ),
     }
     print(f"load average at the start: {run['load_start']}", flush=True)
     started = time.perf_counter()
