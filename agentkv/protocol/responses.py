@@ -158,15 +158,17 @@ def last_response_of(items: list[dict[str, Any]]) -> str | None:
     return None
 
 
-def not_found_error(response_id: str) -> dict[str, Any]:
-    """OpenAI's 404 body for an unknown ``previous_response_id``."""
+def not_found_error(response_id: str, *, previous: bool = True) -> dict[str, Any]:
+    """OpenAI's 404 body for an unknown response: a ``previous_response_id``, or (``previous``
+    false) the id of ``GET``/``DELETE /v1/responses/{id}``."""
     shown = response_id if len(response_id) <= 80 else response_id[:80] + "…"
     return {
         "error": {
-            "message": f"Previous response with id '{shown}' not found.",
+            "message": f"{'Previous response' if previous else 'Response'} with id '{shown}' "
+            "not found.",
             "type": "invalid_request_error",
-            "param": "previous_response_id",
-            "code": "previous_response_not_found",
+            "param": "previous_response_id" if previous else "response_id",
+            "code": "previous_response_not_found" if previous else "not_found",
         }
     }
 

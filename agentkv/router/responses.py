@@ -120,7 +120,7 @@ class ResponsesAPI:
         response_id = request.path_params["response_id"]
         stored = await self._load(tenant, response_id)
         if stored is None:
-            return ORJSONResponse(_not_found(response_id), status_code=404)
+            return ORJSONResponse(not_found_error(response_id, previous=False), status_code=404)
         return ORJSONResponse(stored.response)
 
     async def delete(self, request: Request) -> Response:
@@ -131,7 +131,7 @@ class ResponsesAPI:
         except Exception as exc:
             raise RouterError(503, "The response store is unavailable.") from exc
         if not deleted:
-            return ORJSONResponse(_not_found(response_id), status_code=404)
+            return ORJSONResponse(not_found_error(response_id, previous=False), status_code=404)
         return ORJSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     async def _chain(
@@ -156,18 +156,6 @@ class ResponsesAPI:
         except Exception as exc:
             log.warning("response store failed: %s", safe(repr(exc)))
             raise RouterError(503, "The response store is unavailable.") from exc
-
-
-def _not_found(response_id: str) -> dict[str, Any]:
-    shown = response_id if len(response_id) <= 80 else response_id[:80] + "…"
-    return {
-        "error": {
-            "message": f"Response with id '{shown}' not found.",
-            "type": "invalid_request_error",
-            "param": "response_id",
-            "code": "not_found",
-        }
-    }
 
 
 async def _storing(
