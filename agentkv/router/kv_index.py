@@ -435,7 +435,8 @@ class KVEventSubscriber:
     (ZMQ heartbeats find a silent peer within ``heartbeat_s`` × 5), and, for a bound
     subscriber, on any publisher connecting or disconnecting. After each connection change and
     at start (``bootstrap``) it asks the replay socket, when there is one, for everything from
-    sequence 0: an engine whose buffer still starts at 0 is in sync again at once. Without a
+    sequence 0: an engine whose buffer still starts at 0 is in sync again once that replay has
+    ended (while it is arriving, and after one cut short, the index says unknown). Without a
     replay endpoint a router started next to an engine that already published stays out of
     sync until the engine restarts or its prefix cache is reset (receipts say estimated).
 
@@ -505,6 +506,10 @@ class KVEventSubscriber:
         """The sequence number that continues what was applied of the current stream."""
         self._live_last: int | None = None
         self._last_replay = float("-inf")
+        self._replay_sync: str | None = None
+        """During a replay: why the index will be in sync once the replay has ended (a replay
+        that applied the engine's first batch is a history only when it reaches the end)."""
+        self._replaying = False
         self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
         self._event_decoder = msgspec.msgpack.Decoder()
 
@@ -598,6 +603,11 @@ class KVEventSubscriber:
             self._next = self._live_last = None
 
     def _synced(self, reason: str) -> None:
+        if self._replaying and not self.index.in_sync:
+            # Mid-replay the index holds only the batches read so far: a turn routed now would
+            # be told a shorter L than the engine holds. In sync when the replay has ended.
+            self._replay_sync = reason
+            return
         if not self.index.in_sync:
             self.stats.syncs += 1
             _log.info("kv events %s: index in sync (%s)", self.endpoint, reason)
@@ -776,6 +786,8 @@ class KVEventSubscriber:
             sock.setsockopt(zmq.IPV6, 1)
         buffered = 0
         self._last_replay = asyncio.get_running_loop().time()
+        self._replaying, self._replay_sync = True, None
+        ended = False
         try:
             sock.connect(address)
             await sock.send_multipart([b"", start_seq.to_bytes(8, "big")])
@@ -792,6 +804,7 @@ class KVEventSubscriber:
                     continue
                 _, topic, seq_bytes, payload = frames
                 if seq_bytes == END_SEQ:
+                    ended = True
                     break
                 if topic != self._topic:
                     continue
@@ -804,6 +817,7 @@ class KVEventSubscriber:
                     continue
                 if self._next is not None and seq > self._next:
                     self.stats.unrecovered_gaps += 1  # older batches left the buffer
+                    self._replay_sync = None  # a hole: what came before it is not a history
                 self.stats.replayed_batches += 1
                 self._accept(seq, events)
         except zmq.ZMQError:
@@ -811,6 +825,13 @@ class KVEventSubscriber:
             return
         finally:
             sock.close(linger=0)
+            self._replaying = False
+            pending, self._replay_sync = self._replay_sync, None
+            if not ended and pending is not None:
+                # Cut short: what was applied is a start of the history, not all of it.
+                self._desync("the replay did not reach its end", new_stream=True)
+        if pending is not None and not self.index.in_sync:
+            self._synced(pending)
         if start_seq == 0 and buffered == 0:
             # vLLM's buffer is only appended to: an empty one means nothing was published since
             # the engine started, so its cache is empty (batches applied before came from an

@@ -12,8 +12,10 @@ from typing import Any
 import httpx
 import pytest
 import zmq
+import zmq.asyncio
 
 from agentkv.protocol.kv_events import (
+    END_SEQ,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -313,6 +315,54 @@ async def test_late_subscriber_bootstraps_and_fills_gaps_from_replay() -> None:
     finally:
         await sub.aclose()
         publisher.shutdown()
+
+
+@pytest.mark.parametrize("ends", [True, False], ids=["replay-ends", "replay-cut-short"])
+async def test_an_index_is_in_sync_only_when_its_replay_has_ended(ends: bool) -> None:
+    """A router restarted next to a busy engine: while the replay of the engine's history is
+    still arriving the index holds only its start, so it says "unknown", never a short L (the
+    chaos test caught a receipt of L=80 while P hit 336). A replay cut short leaves it out of
+    sync and empty."""
+    pub_port, replay_port = free_port(), free_port()
+    pub = RawPub(zmq.Context.instance(), bind_port=pub_port)
+    replay = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+    replay.setsockopt(zmq.LINGER, 0)
+    replay.bind(f"tcp://127.0.0.1:{replay_port}")
+    batches = [
+        _payload(stored([1, 2], IDS[: 2 * BS])),
+        _payload(stored([3, 4], IDS[2 * BS : 4 * BS], parent=2)),
+    ]
+
+    async def serve() -> None:
+        client, _, start = await replay.recv_multipart()
+        assert int.from_bytes(start, "big") == 0
+        await replay.send_multipart([client, b"", b"kv", (0).to_bytes(8, "big"), batches[0]])
+        await asyncio.sleep(0.4)  # the rest of a long history still on its way
+        if ends:
+            await replay.send_multipart([client, b"", b"kv", (1).to_bytes(8, "big"), batches[1]])
+            await replay.send_multipart([client, b"", b"", END_SEQ, b""])
+
+    index = PrefixIndex(BS)
+    sub = KVEventSubscriber(
+        f"tcp://*:{pub_port}", "kv", index, replay_endpoint=f"tcp://*:{replay_port}"
+    )
+    server = asyncio.create_task(serve())
+    try:
+        await sub.start()
+        await _until(lambda: sub.stats.replayed_batches == 1)
+        assert not index.in_sync and index.local_prefix_tokens(IDS) is None
+        await server
+        if ends:
+            await _until(lambda: index.in_sync)
+            assert index.local_prefix_tokens(IDS) == 4 * BS
+        else:
+            await _until(lambda: "did not reach its end" in sub.stats.sync_state)
+            assert not index.in_sync and len(index) == 0
+    finally:
+        server.cancel()
+        await sub.aclose()
+        replay.close(0)
+        pub.close()
 
 
 async def test_an_empty_replay_buffer_proves_an_empty_cache() -> None:
