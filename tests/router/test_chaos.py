@@ -156,6 +156,9 @@ class Chaos:
         self.snippets: dict[str, list[int]] = {}
         self.bases: list[list[int]] = []
         self.orphans: set[tuple[str, str]] = set()
+        self.probes: dict[str, list[list[int]]] = {}
+        """salt -> prompts the sharing tenant sent under it, in every example so far (P's cache
+        outlives an example; the prompts repeat across examples)."""
         """(D url, request id): retained on D when Redis restarted empty (freed by D's TTL)."""
         self.dead: set[tuple[str, str]] = set()
         """(D url, request id): stored handles of a D instance that was killed since."""
@@ -589,8 +592,6 @@ class ChaosMachine(RuleBasedStateMachine):
         self.drops = 0
         self.keys: dict[str, str] = {}
         """conversation -> its tenant's API key."""
-        self.probes: list[list[int]] = []
-        """Prompts the sharing tenant sent under another tenant's salt."""
         self.ok = True
 
     # -- helpers -----------------------------------------------------------------------------
@@ -1155,13 +1156,14 @@ class ChaosMachine(RuleBasedStateMachine):
             f"{self.c.s.router.url}/v1/chat/completions", json=body, headers=headers
         )
         assert r.status_code == 200, r.text
-        own = max((_common(b.held, sent) for sent in self.probes), default=0)
+        sent_before = self.c.probes.setdefault(salt, [])
+        own = max((_common(b.held, sent) for sent in sent_before), default=0)
         local = r.headers.get("x-agentkv-local-prefix-tokens")
         assert local is None or int(local) <= own, (own, dict(r.headers))
         assert int(r.headers["x-agentkv-verified-prefix-tokens"]) <= own, dict(r.headers)
         cached = (r.json().get("usage") or {}).get("prompt_tokens_details") or {}
         assert (cached.get("cached_tokens") or 0) <= own, r.json().get("usage")
-        self.probes.append(b.held)
+        sent_before.append(b.held)
         self.c.summary.probes += 1
         self._done()
 
