@@ -1,7 +1,8 @@
 from __future__ import annotations
 
 import pytest
-from otel_support import OTel
+
+from tests._support.otel import OTel
 
 
 @pytest.fixture

@@ -1,12 +1,11 @@
-"""Every fenced block of docs/*.md (and README.md) runs as printed, or loads through the model
-it documents.
+"""Every fenced block of docs/*.md (and README.md) runs as printed, or loads through the model it
+documents.
 
-How blocks are marked and run: ``snippets_support.py``. Python and bash blocks run against one
-``agentkv serve local`` for the whole module; ``doc-test: parse`` blocks go through the CLI's
-own parser; TOML and JSON blocks load through the model they document (:data:`LOADERS`: a new
-TOML or JSON block in another file needs its model named here). README.md's blocks:
-``test_readme.py``.
-"""
+How blocks are marked and run: ``tests/_support/snippets.py``. Python and bash blocks run
+against one ``agentkv serve local`` for the whole module; ``doc-test: parse`` blocks go through
+the CLI's own parser; TOML and JSON blocks load through the model they document
+(:data:`LOADERS`: a new TOML or JSON block in another file needs its model named here).
+README.md's blocks: ``test_readme.py``."""
 
 from __future__ import annotations
 
@@ -17,7 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from snippets_support import (
+
+from agentkv.router.config import RouterConfig
+from agentkv.sim.costmodel import CostModel, load_cost_file
+from agentkv.sim.script import SimScript
+from tests._support.snippets import (
     ROOT,
     Block,
     agentkv_commands,
@@ -27,10 +30,6 @@ from snippets_support import (
     run_block,
     serve_local,
 )
-
-from agentkv.router.config import RouterConfig
-from agentkv.sim.costmodel import CostModel, load_cost_file
-from agentkv.sim.script import SimScript
 
 try:
     import tomllib

@@ -1,7 +1,7 @@
 """Every snippet of README.md runs as written against a real ``agentkv serve local``.
 
 The server runs on free ports (``agentkv serve local --port R --base-port B``), so the one
-change made to a snippet is its ports (``snippets_support.py`` says how blocks are marked and
+change made to a snippet is its ports (``tests/_support/snippets.py`` says how blocks are marked and
 run; ``test_doc_snippets.py`` does the same for docs/*.md). A block that is not meant to run
 (installs, the whole test suite) is marked by an HTML comment on the line before its fence::
 
@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from snippets_support import ROOT, Block, blocks, problems, run_block, serve_local
+
+from tests._support.snippets import ROOT, Block, blocks, problems, run_block, serve_local
 
 pytestmark = pytest.mark.e2e
 

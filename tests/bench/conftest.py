@@ -1,6 +1,6 @@
 """Fixtures of the benchmark tests: a small hand-made trace, and one simulated deployment (P,
 D, the verified router and an unverified one) for the whole session. The constants and helpers
-are in ``bench_support``."""
+are in ``tests._support.bench``."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from bench_support import SMALL_SESSIONS, TIME_SCALE
 
 from agentkv.bench.deploy import Stack, local_stack
+from tests._support.bench import SMALL_SESSIONS, TIME_SCALE
 
 
 @pytest.fixture

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench_support import CLAUDE_CODE, need
 from typer.testing import CliRunner
 
 from agentkv.cli import app
+from tests._support.bench import CLAUDE_CODE, need
 
 runner = CliRunner()
 

@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-from bench_support import CLAUDE_CODE, need
 
 from agentkv.bench.plan import (
     Step,
@@ -32,6 +31,7 @@ from agentkv.bench.retention import (
 )
 from agentkv.bench.traces import Session, Turn, load_trace
 from agentkv.sim.costmodel import PRESETS, CostModel
+from tests._support.bench import CLAUDE_CODE, need
 
 # 1 ms per prefilled token; a read costs 50 ms + 1 ms per 16-token block; nothing else
 COST = CostModel(

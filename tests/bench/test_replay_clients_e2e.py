@@ -19,13 +19,13 @@ from typing import Any
 
 import httpx
 import pytest
-from bench_support import CLAUDE_CODE, TIME_SCALE, need
-from recording_proxy import Received, Recorder, recording_proxy
 from typer.testing import CliRunner
 
 from agentkv.bench.deploy import Stack
 from agentkv.cli import app
 from agentkv.protocol import BODY_SIM_SCRIPT, RouterMetric
+from tests._support.bench import CLAUDE_CODE, TIME_SCALE, need
+from tests._support.recording_proxy import Received, Recorder, recording_proxy
 
 pytestmark = pytest.mark.e2e
 
@@ -125,7 +125,7 @@ def _check_raw_wire(client: str, requests: list[Received]) -> None:
 def sdk_rows(
     stack: Stack, proxy: tuple[str, Recorder], tmp_path_factory: pytest.TempPathFactory
 ) -> list[dict]:
-    from bench_support import SMALL_SESSIONS
+    from tests._support.bench import SMALL_SESSIONS
 
     trace = tmp_path_factory.mktemp("sdk") / "small.jsonl"
     trace.write_text("".join(json.dumps(s) + "\n" for s in SMALL_SESSIONS))

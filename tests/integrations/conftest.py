@@ -2,7 +2,7 @@
 
 The adapters (``integrations/*/src``, and ``integrations/llama-index-llms-agentkv`` with its
 ``llama_index/llms/agentkv`` namespace layout), the examples' simulator helper
-(``examples/_sim.py``) and the router tests' process stack (``tests/router/stack.py``) are
+(``examples/_sim.py``) and the router tests' process stack (``tests/_support/stack.py``) are
 imported from the checkout, so these tests need no extra install step beyond the frameworks
 themselves (the ``dev`` extra).
 """
@@ -14,22 +14,22 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from integration_support import ADAPTER_SOURCES
+
+from tests._support.integration import ADAPTER_SOURCES
 
 _ROOT = Path(__file__).resolve().parents[2]
 for _path in [
     *ADAPTER_SOURCES,
     _ROOT / "examples",
-    _ROOT / "tests" / "router",
 ]:
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
 from _sim import Scripts, clients  # noqa: E402
-from integration_support import NO_P_CACHE, Recorder  # noqa: E402
-from stack import Stack, stack  # noqa: E402
 
 import agentkv  # noqa: E402
+from tests._support.integration import NO_P_CACHE, Recorder  # noqa: E402
+from tests._support.stack import Stack, stack  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -7,8 +7,9 @@ import re
 import sys
 
 import pytest
-from integration_support import ADAPTER_SOURCES, ROOT, run_process
-from stack import Stack
+
+from tests._support.integration import ADAPTER_SOURCES, ROOT, run_process
+from tests._support.stack import Stack
 
 pytestmark = pytest.mark.e2e
 

@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 import weather
 from _sim import Scripts, answer, tool_call
-from integration_support import LOWER_BOUNDS, MODEL, SYSTEM, Recorder, adapter_settings
 from langchain_agentkv import ChatAgentKV, LangGraphStore
 from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.messages.utils import trim_messages
@@ -19,8 +18,10 @@ from langgraph.graph import START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
 from langgraph.store.memory import InMemoryStore
 from pydantic import BaseModel
-from stack import Stack
 from weather import tool_round
+
+from tests._support.integration import LOWER_BOUNDS, MODEL, SYSTEM, Recorder, adapter_settings
+from tests._support.stack import Stack
 
 pytestmark = pytest.mark.e2e
 

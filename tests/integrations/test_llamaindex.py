@@ -7,14 +7,15 @@ from typing import Any
 
 import pytest
 from _sim import Scripts, answer
-from integration_support import MODEL, SYSTEM, Recorder, adapter_settings
 from llama_index.core.agent.workflow import FunctionAgent, ReActAgent
 from llama_index.core.llms import ChatMessage
 from llama_index.core.memory import FactExtractionMemoryBlock, Memory
 from llama_index.llms.agentkv import AgentKV, session
 from sqlalchemy.ext.asyncio import create_async_engine
-from stack import Stack
 from weather import add, get_weather, tool_round  # the examples' tools
+
+from tests._support.integration import MODEL, SYSTEM, Recorder, adapter_settings
+from tests._support.stack import Stack
 
 pytestmark = [
     pytest.mark.e2e,

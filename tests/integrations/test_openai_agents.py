@@ -18,9 +18,10 @@ from agents import (
     set_tracing_disabled,
 )
 from agents.memory import SessionSettings
-from integration_support import MODEL, SYSTEM, Recorder
-from stack import Stack
 from weather import tool_round
+
+from tests._support.integration import MODEL, SYSTEM, Recorder
+from tests._support.stack import Stack
 
 pytestmark = pytest.mark.e2e
 

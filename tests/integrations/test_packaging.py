@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from integration_support import ROOT, run_process
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+
+from tests._support.integration import ROOT, run_process
 
 try:
     import tomllib

@@ -1,7 +1,7 @@
-"""Fixtures of the router tests: a real redis-server for the session (``redis_url``); the
-helpers that start one are in ``redis_support``. Every router these tests start (in process or
-as a child) keeps a generated tenant salt secret in a temporary state directory, never in the
-user's own."""
+"""Fixtures of the router tests: a real redis-server for the session (``redis_url``); the helpers
+that start one are in ``tests._support.redis_server``. Every router these tests start (in
+process or as a child) keeps a generated tenant salt secret in a temporary state directory,
+never in the user's own."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import shutil
 from collections.abc import Iterator
 
 import pytest
-from redis_support import _INSTALL, _start, _unavailable
+
+from tests._support.redis_server import _INSTALL, _start, _unavailable
 
 
 @pytest.fixture(scope="session")

@@ -58,11 +58,11 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from redis_support import _start, start_redis
-from stack import Stack, start_router
 
 from agentkv.protocol.promtext import parse_metrics
 from agentkv.sim.launch import SimProcess, free_port, start_sims
+from tests._support.redis_server import _start, start_redis
+from tests._support.stack import Stack, start_router
 
 pytestmark = pytest.mark.e2e
 
@@ -234,9 +234,12 @@ class Chaos:
 
     def health(self) -> dict[str, Any]:
         r = self.http.get(f"{self.s.router.url}/health", timeout=20, headers=_auth(ADMIN))
-        # 503 while an engine role is out of rotation (an injected fault ejected it)
-        assert r.status_code in (200, 503), r.text
         body: dict[str, Any] = r.json()
+        # 200 exactly when each role has an engine in rotation (an injected fault can eject
+        # every engine of a role for a moment: 503, and the body says which)
+        serving = any(body["prefill"].values()) and any(body["decode"].values())
+        assert r.status_code == (200 if serving else 503), (r.status_code, body)
+        assert body["status"] in (("ok",) if serving else ("unavailable", "starting")), body
         return body
 
     def stored_of(self, conversation: str) -> int:

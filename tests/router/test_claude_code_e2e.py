@@ -19,9 +19,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from stack import stack
 
 from agentkv.protocol.promtext import parse_metrics
+from tests._support.stack import stack
 
 pytestmark = pytest.mark.e2e
 

@@ -24,9 +24,9 @@ from typing import Any
 
 import httpx
 import pytest
-from stack import MODEL, Stack, stack
 
 from agentkv.protocol.promtext import parse_metrics
+from tests._support.stack import MODEL, Stack, stack
 
 pytestmark = pytest.mark.e2e
 

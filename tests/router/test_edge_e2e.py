@@ -15,10 +15,10 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from stack import MODEL, RouterProcess, Stack, stack, start_router
 
 from agentkv import procs
 from agentkv.sim.launch import free_port, start_sims
+from tests._support.stack import MODEL, RouterProcess, Stack, stack, start_router
 
 pytestmark = pytest.mark.e2e
 

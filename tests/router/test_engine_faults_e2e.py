@@ -10,10 +10,10 @@ from typing import Any
 
 import httpx
 import pytest
-from stack import MODEL, Stack, exact, stack
 
 from agentkv.protocol.promtext import parse_metrics
 from agentkv.sim.launch import start_sims
+from tests._support.stack import MODEL, Stack, exact, stack
 
 pytestmark = pytest.mark.e2e
 

@@ -16,13 +16,13 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from stack import RouterProcess, Stack, stack
-from stack import start_router as stack_router
 
 import agentkv
 from agentkv import procs
 from agentkv.protocol.promtext import parse_metrics
 from agentkv.sim.launch import free_port
+from tests._support.stack import RouterProcess, Stack, rss_mib, stack
+from tests._support.stack import start_router as stack_router
 
 pytestmark = pytest.mark.e2e
 
@@ -47,13 +47,6 @@ def start_router(
 
 def log_text(router: RouterProcess) -> str:
     return router.log_text()
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
 
 
 def router_metrics(url: str) -> dict[str, float]:

@@ -14,7 +14,6 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from tools_support import function_tool
 
 from agentkv.protocol.exact import AppendJob, append_plan, run_plan_async
 from agentkv.router.config import RouterConfig
@@ -36,6 +35,7 @@ from agentkv.router.request import ClientRequest, parse_request
 from agentkv.router.sse import Captured, EventRelay
 from agentkv.sim import SimConfig
 from agentkv.sim import create_app as create_sim
+from tests._support.tools import function_tool
 
 pytestmark = pytest.mark.anyio
 

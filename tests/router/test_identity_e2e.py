@@ -11,10 +11,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from agent_support import SYSTEM, TOOLS
-from stack import MODEL, Stack, stack
 
 from agentkv.protocol import HEADER_IDENTITY, HEADER_TRIM_CAUSE, HEADER_VERIFIED_PREFIX_TOKENS
+from tests._support.agents import SYSTEM, TOOLS
+from tests._support.stack import MODEL, Stack, stack
 
 pytestmark = pytest.mark.e2e
 

@@ -24,11 +24,11 @@ import httpx
 import msgspec
 import pytest
 import zmq
-from stack import MODEL, Stack, exact, start_router
 
 from agentkv.protocol.kv_events import AllBlocksCleared, BlockStored, KVEventBatch
 from agentkv.protocol.promtext import parse_metrics
 from agentkv.sim.launch import SimProcess, free_port, start_sims
+from tests._support.stack import MODEL, Stack, exact, start_router
 
 pytestmark = pytest.mark.e2e
 

@@ -17,8 +17,6 @@ from typing import Any
 
 import httpx
 import pytest
-from stack import MODEL, Stack, stack
-from test_hardening_e2e import rss_mib
 
 from agentkv._lease import LeaseCore
 from agentkv.protocol.promtext import parse_metrics
@@ -28,6 +26,7 @@ from agentkv.router.leases import Leases, MemoryLeases, RedisLeases
 from agentkv.router.metrics import RouterMetrics
 from agentkv.router.retention import Retention
 from agentkv.router.store import MemoryStore, StoredHandle, StoreKey
+from tests._support.stack import MODEL, Stack, rss_mib, stack
 
 FLOOD = 200_000
 BATCH = 10_000

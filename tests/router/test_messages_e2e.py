@@ -10,8 +10,9 @@ from typing import Any
 import anthropic
 import httpx
 import pytest
-from stack import stack, start_router
-from templates_support import TEMPLATES_DIR
+
+from tests._support.stack import stack, start_router
+from tests._support.templates import TEMPLATES_DIR
 
 pytestmark = pytest.mark.e2e
 

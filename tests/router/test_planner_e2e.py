@@ -12,9 +12,10 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
-from redis_support import _start, start_redis
-from stack import MODEL, exact, stack
-from test_router_e2e import NO_P_CACHE, SYSTEM, TOOLS, agent_turns, client
+
+from tests._support.agents import LONG, NO_P_CACHE, SYSTEM, TOOLS, agent_turns, client
+from tests._support.redis_server import _start, start_redis
+from tests._support.stack import MODEL, exact, held_after, ids_of, stack
 
 pytestmark = pytest.mark.e2e
 
@@ -23,22 +24,6 @@ pytestmark = pytest.mark.e2e
 def pd(tmp_path_factory):
     with stack(tmp_path_factory.mktemp("planner"), p_args=NO_P_CACHE) as s:
         yield s
-
-
-def ids_of(s, messages) -> list[int]:
-    r = httpx.post(
-        f"{s.prefill[0].url}/tokenize",
-        json={"model": MODEL, "messages": messages, "add_generation_prompt": True},
-    )
-    return list(r.json()["tokens"])
-
-
-def held_after(r: httpx.Response, ids: list[int]) -> list[int]:
-    body = r.json()
-    return [*ids, *body["choices"][0]["token_ids"]]
-
-
-LONG = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Start."}]
 
 
 def test_a_rewrite_with_a_new_epoch_pulls_its_verified_prefix(pd):

@@ -22,10 +22,10 @@ from typing import Any
 
 import httpx
 import pytest
-from stack import Stack, stack
 
 import agentkv
 from agentkv import procs
+from tests._support.stack import Stack, stack
 
 pytestmark = pytest.mark.e2e
 

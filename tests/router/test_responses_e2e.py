@@ -18,9 +18,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from agent_support import SYSTEM
-from redis_support import _INSTALL, _start, _unavailable
-from stack import MODEL, Stack, stack
+
+from tests._support.agents import SYSTEM
+from tests._support.redis_server import _INSTALL, _start, _unavailable
+from tests._support.stack import MODEL, Stack, stack
 
 pytestmark = pytest.mark.e2e
 

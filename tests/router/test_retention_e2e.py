@@ -7,11 +7,10 @@ import time
 
 import httpx
 import pytest
-from stack import MODEL, Stack, exact, stack, start_router
-from test_planner_e2e import LONG, held_after, ids_of
-from test_router_e2e import NO_P_CACHE
 
 from agentkv.sim.launch import free_port, start_sims
+from tests._support.agents import LONG, NO_P_CACHE
+from tests._support.stack import MODEL, Stack, exact, held_after, ids_of, stack, start_router
 
 pytestmark = pytest.mark.e2e
 
@@ -119,7 +118,7 @@ def test_receipts_equal_what_p_read_with_its_prefix_cache_on(tmp_path):
             "block_size": 16,
         }
         s.routers.append(start_router(cfg, tmp_path))
-        from test_router_e2e import SYSTEM, TOOLS, agent_turns, client
+        from tests._support.agents import SYSTEM, TOOLS, agent_turns, client
 
         before = s.metrics(s.prefill[0])
         with client(s) as c:

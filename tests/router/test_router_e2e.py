@@ -9,37 +9,17 @@ import time
 import httpx
 import pytest
 
-# test_planner_e2e and test_retention_e2e import TOOLS, agent_turns and client from here
-from agent_support import SYSTEM, TOOLS, agent_step  # noqa: F401
-from stack import stack
-
 import agentkv
+from tests._support.agents import NO_P_CACHE, SYSTEM, client
+from tests._support.stack import stack
 
 pytestmark = pytest.mark.e2e
-
-NO_P_CACHE = (("--no-prefix-caching",),)
-
-
-def agent_turns(conv, n: int, start: int = 0) -> None:
-    """n turns of a tool-using agent: a tool call, its result, an answer, a new question."""
-    for i in range(start, start + n):
-        script, tool_result = agent_step(i)
-        completion = conv.create(max_tokens=400, extra_body={"agentkv_sim": script})
-        if tool_result is not None:
-            call = completion.choices[0].message.tool_calls[0]
-            conv.add_tool_result(call.id, tool_result)
-        else:
-            conv.add_user(f"Now look at module {i + 1}.")
 
 
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory):
     with stack(tmp_path_factory.mktemp("pd"), p_args=NO_P_CACHE) as s:
         yield s
-
-
-def client(s) -> agentkv.Client:
-    return agentkv.Client(base_url=f"{s.router.url}/v1", api_key="k")
 
 
 def hello(c: agentkv.Client) -> agentkv.Conversation:

@@ -10,10 +10,10 @@ from collections.abc import AsyncIterator
 import anyio
 import httpx
 import pytest
-from agent_support import SYSTEM, TOOLS, agent_step
-from inprocess_stack import InProcessStack, inprocess_stack
 
 import agentkv
+from tests._support.agents import SYSTEM, TOOLS, agent_step
+from tests._support.inprocess_stack import InProcessStack, inprocess_stack
 
 pytestmark = pytest.mark.anyio
 

@@ -9,10 +9,10 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from stack import MODEL, stack
 
 from agentkv.protocol.promtext import parse_metrics
 from agentkv.router.session import SOURCES, conversation_of
+from tests._support.stack import MODEL, stack
 
 UUID = "8a3c9f2e-51d4-4c1b-9d0e-2b7f6a1c3e55"
 OTHER = "1f0e2d3c-4b5a-6978-8796-a5b4c3d2e1f0"

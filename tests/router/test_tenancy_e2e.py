@@ -14,10 +14,10 @@ from typing import Any
 
 import httpx
 import pytest
-from stack import MODEL, Stack, exact, stack, start_router
 
 from agentkv.router.tenancy import derived_salt
 from agentkv.sim.launch import free_port, start_sims
+from tests._support.stack import MODEL, Stack, exact, stack, start_router
 
 pytestmark = pytest.mark.e2e
 

@@ -17,9 +17,9 @@ from typing import Any
 import httpx
 import pytest
 from opentelemetry.trace import format_span_id, format_trace_id
-from stack import stack
 
 import agentkv
+from tests._support.stack import stack
 
 pytestmark = pytest.mark.e2e
 

@@ -6,10 +6,10 @@ from collections.abc import Iterator
 
 import openai
 import pytest
-from tools_support import function_tool
 
 import agentkv
 from agentkv.sim.launch import SimProcess
+from tests._support.tools import function_tool
 
 TOOLS = [function_tool("get_weather", "Weather", city="string")]
 

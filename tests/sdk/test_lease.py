@@ -40,10 +40,6 @@ from agentkv._lease import (
 )
 from agentkv.protocol import HEADER_CONVERSATION_ID, HEADER_LEASE
 
-_ROUTER_TESTS = Path(__file__).resolve().parents[1] / "router"
-if str(_ROUTER_TESTS) not in sys.path:
-    sys.path.insert(0, str(_ROUTER_TESTS))
-
 
 class Conv:
     """Stands in for a conversation object in the sans-IO tests (only its identity matters)."""
@@ -530,7 +526,7 @@ time.sleep(600)  # killed here, mid-wait
 
 @pytest.fixture(scope="module")
 def router_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from stack import stack  # type: ignore[import-not-found]
+    from tests._support.stack import stack
 
     with stack(tmp_path_factory.mktemp("lease"), p_args=(("--no-prefix-caching",),)) as s:
         yield s

@@ -19,12 +19,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from templates_support import TEMPLATES_DIR, UNSAFE_APPEND, real_templates
 
 import agentkv
 from agentkv.bench.template_check import SYSTEM, TOOLS, generated_part, scripted_turns
 from agentkv.chat import ChatTemplate, deepseek_tokenizer_path, load_template, load_tokenizer
 from agentkv.sim.launch import SimProcess, start_sims
+from tests._support.templates import TEMPLATES_DIR, UNSAFE_APPEND, real_templates
 
 pytestmark = pytest.mark.e2e
 

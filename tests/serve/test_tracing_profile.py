@@ -7,10 +7,10 @@ import os
 import sys
 
 import pytest
-from test_expand_golden import OTHER_ENV, VLLM_ENV, VLLM_FLAGS
 
 from agentkv.serve import expand, load_profile
 from agentkv.serve.profiles import ProfileError
+from tests._support.vllm_names import OTHER_ENV, VLLM_ENV, VLLM_FLAGS
 
 ENDPOINT = "http://collector.example:4317"
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from cluster import D_PORT, P_PORT, make_cluster
 
 from agentkv.sim.costmodel import PRESETS, PUBLISHED_POINTS, reused_tokens_for
+from tests._support.cluster import D_PORT, P_PORT, make_cluster
 
 pytestmark = pytest.mark.anyio
 

@@ -13,12 +13,12 @@ from typing import Any
 
 import httpx
 import pytest
-from templates_support import TEMPLATES_DIR
 
 from agentkv.chat import load_template, load_tokenizer
 from agentkv.sim import SimConfig, create_app
 from agentkv.sim.costmodel import PRESETS
 from agentkv.sim.transfer import TransferClient
+from tests._support.templates import TEMPLATES_DIR
 
 pytestmark = pytest.mark.anyio
 

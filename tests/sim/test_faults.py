@@ -14,7 +14,6 @@ from typing import Any
 
 import httpx
 import pytest
-from cluster import openai_error
 from starlette.applications import Starlette
 
 from agentkv.chat import load_template, load_tokenizer
@@ -22,6 +21,7 @@ from agentkv.protocol.promtext import parse_metrics
 from agentkv.sim import SimConfig, SimState, create_app
 from agentkv.sim.costmodel import PRESETS
 from agentkv.sim.transfer import TransferClient
+from tests._support.cluster import openai_error
 
 pytestmark = pytest.mark.anyio
 

@@ -13,14 +13,14 @@ from typing import Any
 
 import httpx
 import pytest
-from cluster import openai_error
-from templates_support import TEMPLATES_DIR
 
 from agentkv.chat import load_template, load_tokenizer
 from agentkv.protocol.promtext import parse_metrics
 from agentkv.sim import SimConfig, SimState, create_app
 from agentkv.sim.costmodel import PRESETS
 from agentkv.sim.transfer import TransferClient
+from tests._support.cluster import openai_error
+from tests._support.templates import TEMPLATES_DIR
 
 pytestmark = pytest.mark.anyio
 

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import importlib
 import json
 import random
 import re
@@ -440,11 +439,9 @@ def test_join_deltas_accumulates_like_a_client() -> None:
 
 
 def test_stream_of_real_qwen_tokens_joins_to_the_parse() -> None:
-    tokenizer = importlib.import_module("agentkv.chat.tokenizer")
-    load = getattr(tokenizer, "load_tokenizer", None)
-    if load is None:
-        pytest.skip("agentkv.chat.tokenizer.load_tokenizer is not there yet")
-    tok = load()
+    from agentkv.chat.tokenizer import load_tokenizer
+
+    tok = load_tokenizer()
     for text in filter(None, CORPUS):  # no tokens, no deltas (test_no_pieces_no_deltas)
         ids = tok.encode(text)
         pieces: list[str] = []

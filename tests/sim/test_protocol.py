@@ -12,7 +12,8 @@ import math
 from typing import Any
 
 import pytest
-from cluster import D_PORT, P_PORT, Cluster, make_cluster, openai_error
+
+from tests._support.cluster import D_PORT, P_PORT, Cluster, make_cluster, openai_error
 
 pytestmark = pytest.mark.anyio
 

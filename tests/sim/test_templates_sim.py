@@ -11,14 +11,20 @@ from typing import Any
 
 import httpx
 import pytest
-from cluster import openai_error
 from starlette.applications import Starlette
-from templates_support import CONVERSATION, KNOWN_ERRORS, TEMPLATES_DIR, TOOLS, real_templates
 
 from agentkv.chat import deepseek_tokenizer_path, load_tokenizer
 from agentkv.sim import SimConfig, create_app
 from agentkv.sim.costmodel import PRESETS
 from agentkv.sim.transfer import TransferClient
+from tests._support.cluster import openai_error
+from tests._support.templates import (
+    CONVERSATION,
+    KNOWN_ERRORS,
+    TEMPLATES_DIR,
+    TOOLS,
+    real_templates,
+)
 
 pytestmark = pytest.mark.anyio
 

@@ -19,13 +19,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from report import write_doc
-from scenarios import TIMINGS, VLLM_VERSION, Stack, router_on
 
 from agentkv import procs
 from agentkv.chat.tokenizer import cache_dir
 from agentkv.procs import free_port
 from agentkv.serve.tiny_model import build_tiny_model
+from tests._support.vllm_report import write_doc
+from tests._support.vllm_scenarios import TIMINGS, VLLM_VERSION, Stack, router_on
 
 ROOT = Path(__file__).resolve().parents[2]
 

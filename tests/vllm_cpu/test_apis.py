@@ -63,12 +63,21 @@ import httpx
 import openai
 import pytest
 from openai.types.responses import ResponseOutputMessage, ResponseOutputText
-from scenarios import API_PROMPTS, API_TURNS, MODEL, OUT, SYSTEM, Stack, Turn, router_on
 
 from agentkv import procs
 from agentkv.chat.tokenizer import cache_dir
 from agentkv.procs import free_port
 from agentkv.serve.tiny_model import build_tiny_model
+from tests._support.vllm_scenarios import (
+    API_PROMPTS,
+    API_TURNS,
+    MODEL,
+    OUT,
+    SYSTEM,
+    Stack,
+    Turn,
+    router_on,
+)
 
 pytestmark = [pytest.mark.vllm_cpu, pytest.mark.timeout(1800)]
 

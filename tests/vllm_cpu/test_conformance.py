@@ -17,7 +17,8 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from scenarios import (
+
+from tests._support.vllm_scenarios import (
     OUT,
     RESULTS,
     ROWS,

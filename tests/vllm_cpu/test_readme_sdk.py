@@ -6,8 +6,9 @@ second turn is a ``pull`` (the snippet's comment promises ``turn=2`` and ``decis
 from __future__ import annotations
 
 import pytest
-from scenarios import Stack
-from snippets_support import ROOT, blocks, run_block
+
+from tests._support.snippets import ROOT, blocks, run_block
+from tests._support.vllm_scenarios import Stack
 
 pytestmark = pytest.mark.vllm_cpu
 

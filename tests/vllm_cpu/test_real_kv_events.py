@@ -11,7 +11,8 @@ import uuid
 
 import httpx
 import pytest
-from scenarios import MODEL, Stack
+
+from tests._support.vllm_scenarios import MODEL, Stack
 
 pytestmark = [pytest.mark.vllm_cpu, pytest.mark.timeout(600)]
 LOCAL = "vllm:prompt_tokens_by_source_total[local_cache_hit]"

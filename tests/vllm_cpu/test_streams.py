@@ -16,7 +16,8 @@ from typing import Any
 
 import httpx
 import pytest
-from scenarios import MODEL, SHAPES, Stack
+
+from tests._support.vllm_scenarios import MODEL, SHAPES, Stack
 
 pytestmark = [pytest.mark.vllm_cpu, pytest.mark.timeout(900)]
 

@@ -19,11 +19,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from scenarios import EXT, MODEL, OUT, TEMPLATE_PULLED, TEMPLATE_RUNS, Stack
 
 import agentkv
 from agentkv._rendering import RemoteRenderer
 from agentkv.protocol import HEADER_ECHO_PROMPT_TOKEN_IDS
+from tests._support.vllm_scenarios import EXT, MODEL, OUT, TEMPLATE_PULLED, TEMPLATE_RUNS, Stack
 
 pytestmark = [pytest.mark.vllm_cpu, pytest.mark.timeout(1200)]
 

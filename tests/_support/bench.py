@@ -1,8 +1,4 @@
-"""Shared pieces of the benchmark tests: the real traces and a small hand-made trace.
-
-A plain module, not a conftest (every conftest is imported as ``conftest``, so which one a
-``from conftest import`` finds depends on collection order): test modules here
-``from bench_support import ...`` (pytest puts their folder on ``sys.path``)."""
+"""Shared pieces of the benchmark tests: the real traces and a small hand-made trace."""
 
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tools_support import function_tool
+import agentkv
+from tests._support.tools import function_tool
 
 TOOLS = [function_tool("read_file", "Read a file", path="string")]
 SYSTEM = "You are a coding agent. " + " ".join(f"Rule {i}: keep changes small." for i in range(40))
@@ -19,3 +20,26 @@ def agent_step(i: int) -> tuple[dict[str, Any], str | None]:
         script = {"reasoning": f"I should read file {i}.", "content": "", "tool_calls": [call]}
         return script, f"def f{i}():\n    return {i}\n" * 4
     return {"reasoning": f"Done with {i}.", "content": f"File {i} defines f{i - 1}. " * 6}, None
+
+
+NO_P_CACHE = (("--no-prefix-caching",),)
+
+
+def agent_turns(conv: Any, n: int, start: int = 0) -> None:
+    """n turns of a tool-using agent: a tool call, its result, an answer, a new question."""
+    for i in range(start, start + n):
+        script, tool_result = agent_step(i)
+        completion = conv.create(max_tokens=400, extra_body={"agentkv_sim": script})
+        if tool_result is not None:
+            call = completion.choices[0].message.tool_calls[0]
+            conv.add_tool_result(call.id, tool_result)
+        else:
+            conv.add_user(f"Now look at module {i + 1}.")
+
+
+def client(s: Any) -> agentkv.Client:
+    """An SDK client of the stack's router."""
+    return agentkv.Client(base_url=f"{s.router.url}/v1", api_key="k")
+
+
+LONG = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Start."}]

@@ -1,9 +1,6 @@
 """What the tests over the real chat templates of ``../shared/chat-templates`` share: where they
 are, their names (the calling test module is skipped when they are not checked out), the
 standard conversation with a tool call, and what each template does with it.
-
-A plain module, not a conftest: ``tests/`` is on ``sys.path`` through ``tests/conftest.py``
-(pytest's default import mode), so any test module can ``import templates_support``.
 """
 
 from __future__ import annotations
@@ -13,7 +10,7 @@ from typing import Any
 
 import pytest
 
-TEMPLATES_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "chat-templates"
+TEMPLATES_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "chat-templates"
 
 
 def real_templates() -> list[str]:

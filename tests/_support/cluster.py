@@ -9,13 +9,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from clock_support import SharedClock
 
 from agentkv.protocol.promtext import parse_metrics
 from agentkv.sim import SimConfig, create_app
 from agentkv.sim.app import SimState
 from agentkv.sim.costmodel import PRESETS
 from agentkv.sim.transfer import TransferClient
+from tests._support.clock import SharedClock
 
 P_PORT, D_PORT = 8100, 8200
 

@@ -1,6 +1,4 @@
-"""In-memory OpenTelemetry SDK providers for the tests (the ``otel`` fixture of ``conftest``).
-
-A plain module, not a conftest: ``tests/`` is on ``sys.path`` through ``tests/conftest.py``."""
+"""In-memory OpenTelemetry SDK providers for the tests (the ``otel`` fixture of ``conftest``)."""
 
 from __future__ import annotations
 

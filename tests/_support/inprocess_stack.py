@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from clock_support import SharedClock
 from starlette.applications import Starlette
 
 import agentkv
@@ -28,6 +27,7 @@ from agentkv.sim import SimConfig
 from agentkv.sim import create_app as create_sim
 from agentkv.sim.app import SimState
 from agentkv.sim.transfer import TransferClient
+from tests._support.clock import SharedClock
 
 ROUTER_PORT = 8000
 P_PORT, D_PORT = 8100, 8200

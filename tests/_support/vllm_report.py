@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from scenarios import (
+from tests._support.vllm_scenarios import (
     API_PROMPTS,
     API_TURNS,
     OUT,
@@ -17,7 +17,7 @@ from scenarios import (
     VLLM_VERSION,
 )
 
-TIERS = (Path(__file__).parent / "tiers.md").read_text()
+TIERS = (Path(__file__).resolve().parents[1] / "vllm_cpu" / "tiers.md").read_text()
 """The tier table of docs/conformance.md."""
 
 

@@ -122,3 +122,26 @@ def stack(
         yield s
     finally:
         s.stop()
+
+
+def ids_of(s: Stack, messages: list[dict[str, Any]]) -> list[int]:
+    """The ids P's ``/tokenize`` renders for ``messages`` (with the generation prompt)."""
+    r = httpx.post(
+        f"{s.prefill[0].url}/tokenize",
+        json={"model": MODEL, "messages": messages, "add_generation_prompt": True},
+    )
+    return list(r.json()["tokens"])
+
+
+def held_after(r: httpx.Response, ids: list[int]) -> list[int]:
+    """What D holds after answering ``r`` to a prompt of ``ids``."""
+    body = r.json()
+    return [*ids, *body["choices"][0]["token_ids"]]
+
+
+def rss_mib(pid: int) -> float:
+    """A process's resident memory (``/proc``), in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")

@@ -41,7 +41,7 @@ from agentkv.procs import free_port, free_port_range
 from agentkv.serve import load_profile
 from agentkv.serve.ports import engine_ports
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LANGUAGES = ("python", "bash", "toml", "json", "text")
 MODES = ("run", "skip", "parse", "synopsis")
 MARKER = re.compile(r"^<!--\s*doc-test:\s*(\w+)\s*(?:\((.*)\))?\s*-->$")
