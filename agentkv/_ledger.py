@@ -38,6 +38,7 @@ from agentkv.protocol import (
     HEADER_CONVERSATION_ID,
     HEADER_EPOCH,
 )
+from agentkv.protocol.prefix import common_prefix
 
 __all__ = ["STATE_VERSION", "Ledger", "RenderJob", "TurnResult"]
 
@@ -108,20 +109,6 @@ def fingerprint(message: Mapping[str, Any]) -> tuple[Any, ...]:
     if message.get("role") == "assistant" and isinstance(content, str):
         content = _THINK.sub("", content).strip()
     return (message.get("role"), content, tuple(calls), message.get("tool_call_id"))
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix (slice comparisons: C speed on long histories)."""
-    lo, hi = 0, min(len(a), len(b))
-    if a[:hi] == b[:hi]:
-        return hi
-    while hi - lo > 1:  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
-        mid = (lo + hi) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 class Ledger:

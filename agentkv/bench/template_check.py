@@ -35,6 +35,7 @@ from agentkv._drift import classify_drift
 from agentkv._exceptions import RenderError
 from agentkv._ledger import RenderJob
 from agentkv._rendering import LocalRenderer
+from agentkv.protocol.prefix import common_prefix
 
 __all__ = [
     "SYSTEM",
@@ -193,13 +194,6 @@ class TemplateReport:
         return all(t.stable for t in self.turns)
 
 
-def _common(a: Sequence[Any], b: Sequence[Any]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
 def generated_part(prompt: str, history: str, final: str) -> str:
     """What the model generated: the final rendering of its message after the prompt; when the
     template renders the history differently once the message follows (look-ahead), after the
@@ -208,10 +202,10 @@ def generated_part(prompt: str, history: str, final: str) -> str:
         return final[len(prompt) :]
     header = prompt[len(history) :] if prompt.startswith(history) else ""
     at = final.rfind(header) if header else -1
-    if at >= 0 and at >= _common(prompt, final) - len(header):
+    if at >= 0 and at >= common_prefix(prompt, final) - len(header):
         return final[at + len(header) :]
     # The generation prompt disagrees with history: keep what both share, up to a whole tag.
-    common = _common(prompt, final)
+    common = common_prefix(prompt, final)
     tag = max(final.rfind("<", 0, common), final.rfind("[", 0, common))
     if tag >= 0 and max(final.rfind(">", 0, common), final.rfind("]", 0, common)) < tag:
         common = tag
@@ -327,7 +321,7 @@ def check_template(
         next_text = render(next_history, True, k + 1)
         next_prompt = tok.encode(next_text)
         expected = [*prompt, *output]
-        at = _common(expected, next_prompt)
+        at = common_prefix(expected, next_prompt)
         # Exact mode on its own prompts: append the new messages' ids after the output.
         detail = ""
         job = RenderJob("append", _named(following, answer), TOOLS, kwargs or None, output)
@@ -343,7 +337,7 @@ def check_template(
             )
             continue
         expected_text = prompt_text + generated
-        text_at = _common(expected_text, next_text)
+        text_at = common_prefix(expected_text, next_text)
         if text_at == len(expected_text):  # the same text, other ids
             hazard, why = classify_drift(
                 expected_text=tok.decode(expected[max(0, at - 8) : at + 8]),

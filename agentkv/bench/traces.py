@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import json
 import lzma
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any, Literal
+
+from agentkv.protocol.prefix import common_prefix
 
 __all__ = [
     "Session",
@@ -132,15 +134,6 @@ class Transition:
     """Tokens added after what is kept."""
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def transition(prev: Turn, cur: Turn, block_size: int, *, min_new_tokens: int = 1) -> Transition:
     """Classify the step from ``prev`` to ``cur``.
 
@@ -157,7 +150,7 @@ def transition(prev: Turn, cur: Turn, block_size: int, *, min_new_tokens: int = 
     if not prev.block_ids or not cur.block_ids or block_size <= 0:
         new = max(grow - prev.output_tokens, min_new_tokens)
         return Transition("append", prev.input_tokens, prev.output_tokens, 0, new)
-    common = _common_prefix(prev.block_ids, cur.block_ids)
+    common = common_prefix(prev.block_ids, cur.block_ids)
     if common >= prev.input_tokens // block_size:
         if grow - prev.output_tokens >= min_new_tokens:
             return Transition(

@@ -59,6 +59,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from agentkv.protocol.prefix import common_prefix
 from agentkv.protocol.promtext import parse_metrics
 from agentkv.sim.launch import SimProcess, free_port, start_sims
 from tests._support.redis_server import _start, start_redis
@@ -414,14 +415,6 @@ def _args(names: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in names.items() if k != "self"}
 
 
-def _common(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 def _check_error(r: httpx.Response, what: str) -> None:
     assert 400 <= r.status_code < 500, f"{what}: {r.status_code} {r.text[:300]}"
     body = r.json()
@@ -631,9 +624,9 @@ class ChaosMachine(RuleBasedStateMachine):
         """The most tokens any handle of this conversation and salt can verify for ``ids``."""
         best = 0
         for held in self.histories.get((b.conv, b.salt), []):
-            best = max(best, min(_common(ids, held), len(held) - 1))
+            best = max(best, min(common_prefix(ids, held), len(held) - 1))
         for prompt in self.open_prompts.get((b.conv, b.salt), []):
-            n = _common(ids, prompt)
+            n = common_prefix(ids, prompt)
             best = max(best, len(ids) if n == len(prompt) else n)
         return best
 
@@ -857,9 +850,8 @@ class ChaosMachine(RuleBasedStateMachine):
         """A second history on the same conversation id, forked from an earlier answer."""
         self._step("branch", **_args(locals()))
         b = self._branch(pick)
-        history = [
-            h for h in self.histories.get((b.conv, b.salt), []) if _common(h, b.held) == len(h)
-        ]
+        held = self.histories.get((b.conv, b.salt), [])
+        history = [h for h in held if common_prefix(h, b.held) == len(h)]
         if not history:
             return self._done()
         start = history[max(0, len(history) - 1 - back)]
@@ -1160,7 +1152,7 @@ class ChaosMachine(RuleBasedStateMachine):
         )
         assert r.status_code == 200, r.text
         sent_before = self.c.probes.setdefault(salt, [])
-        own = max((_common(b.held, sent) for sent in sent_before), default=0)
+        own = max((common_prefix(b.held, sent) for sent in sent_before), default=0)
         local = r.headers.get("x-agentkv-local-prefix-tokens")
         assert local is None or int(local) <= own, (own, dict(r.headers))
         assert int(r.headers["x-agentkv-verified-prefix-tokens"]) <= own, dict(r.headers)
