@@ -33,6 +33,7 @@ EXTRAS: dict[str, str] = {
     "tomli": "serve",
     "uvicorn": "serve",
     "uvloop": "serve",
+    "yaml": "serve",  # pyyaml
     "zmq": "serve",  # pyzmq
 }
 """Module (top-level, or two levels in a namespace package) -> the extra that installs it."""

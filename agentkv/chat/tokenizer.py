@@ -7,8 +7,8 @@ the ranks), given the pieces of Qwen's own ``tokenizer.json`` (NFC normaliser, t
 regex, byte-level pre-tokenizer and decoder) and the 26 added tokens of Qwen3 at ids
 151643..151668. The result is cached on disk as an ordinary Hugging Face tokenizer directory
 (``tokenizer.json`` + ``tokenizer_config.json``, which also carries the packaged Qwen3 chat
-template), under ``$AGENTKV_CACHE_DIR`` or ``~/.cache/agentkv``. Any other ``tokenizer.json``
-(e.g. :func:`deepseek_tokenizer_path`) loads as it is.
+template), under :func:`cache_dir` (``$AGENTKV_CACHE_DIR`` or ``~/.cache/agentkv``). Any other
+``tokenizer.json`` (e.g. :func:`deepseek_tokenizer_path`) loads as it is.
 """
 
 from __future__ import annotations
@@ -147,9 +147,13 @@ class ChatTokenizer:
 
 
 def cache_dir() -> Path:
-    """Where converted tokenizers are kept: ``$AGENTKV_CACHE_DIR``, else ``~/.cache/agentkv``."""
+    """agentkv's cache (converted tokenizers, the CPU engine's setup, its tiny model):
+    ``$AGENTKV_CACHE_DIR``, else the user's cache directory (platformdirs: ``~/.cache/agentkv``
+    or ``$XDG_CACHE_HOME/agentkv`` on Linux, as ``scripts/install-vllm-cpu.sh`` chooses it)."""
+    import platformdirs
+
     env = os.environ.get("AGENTKV_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "agentkv"
+    return Path(env).expanduser() if env else Path(platformdirs.user_cache_dir("agentkv", False))
 
 
 def deepseek_tokenizer_path() -> Path:

@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 from agentkv.serve.expand import (
@@ -281,73 +280,30 @@ def render_k8s(profile: Profile, *, namespace: str = "default") -> str:
     return head + "".join(docs)
 
 
-# -- a small YAML writer -----------------------------------------------------------------------
-
-_PLAIN_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_./-]*$")
-_YAML_WORDS = {"y", "n", "yes", "no", "on", "off", "true", "false", "null", "~"}
-
-
-def _scalar(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return json.dumps(value)
-    if isinstance(value, str):
-        return json.dumps(value)
-    raise TypeError(f"cannot write {type(value).__name__} as YAML")
-
-
-def _key(key: Any) -> str:
-    text = str(key)
-    if _PLAIN_KEY.match(text) and text.lower() not in _YAML_WORDS:
-        return text
-    return json.dumps(text)
-
-
-def _block_literal(value: str) -> bool:
-    """Whether ``value`` can be written as a ``|`` block and read back unchanged."""
-    if "\n" not in value or not value.endswith("\n") or value.endswith("\n\n"):
-        return False
-    if value[0] in " \t\n" or any(c in value for c in "\r\t\x00"):
-        return False
-    return all(line == line.rstrip() for line in value.splitlines())
-
-
-def _write(value: Any, indent: int, out: list[str]) -> None:
-    pad = " " * indent
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if isinstance(item, (dict, list)) and item:
-                out.append(f"{pad}{_key(key)}:")
-                _write(item, indent + 2, out)
-            elif isinstance(item, str) and _block_literal(item):
-                out.append(f"{pad}{_key(key)}: |")
-                out.extend(f"{pad}  {line}" if line else "" for line in item.splitlines())
-            else:
-                out.append(f"{pad}{_key(key)}: {_flow(item)}")
-        return
-    for item in value:
-        if isinstance(item, (dict, list)) and item:
-            sub: list[str] = []
-            _write(item, indent + 2, sub)
-            out.append(f"{pad}- {sub[0][indent + 2 :]}")
-            out.extend(sub[1:])
-        else:
-            out.append(f"{pad}- {_flow(item)}")
-
-
-def _flow(value: Any) -> str:
-    if isinstance(value, dict):
-        return "{}"
-    if isinstance(value, list):
-        return "[]"
-    return _scalar(value)
+# -- YAML ------------------------------------------------------------------------------------
 
 
 def dump_yaml(value: dict[str, Any]) -> str:
-    """``value`` (dicts, lists, strings, numbers, booleans, None) as a YAML block document."""
-    out: list[str] = []
-    _write(value, 0, out)
-    return "\n".join(out) + "\n"
+    """``value`` (dicts, lists, strings, numbers, booleans, None) as a YAML block document, in
+    its own key order, multi-line strings (a ConfigMap's files) as ``|`` blocks where they read
+    back unchanged (PyYAML quotes them otherwise)."""
+    import yaml
+
+    class Dumper(yaml.SafeDumper):
+        def ignore_aliases(self, data: Any) -> bool:
+            return True  # an object used twice (labels) is written twice, not as &id001
+
+    def text(dumper: yaml.SafeDumper, data: str) -> yaml.ScalarNode:
+        style = "|" if "\n" in data else None
+        return dumper.represent_scalar("tag:yaml.org,2002:str", data, style=style)
+
+    Dumper.add_representer(str, text)
+    out: str = yaml.dump(
+        value,
+        Dumper=Dumper,
+        sort_keys=False,
+        default_flow_style=False,
+        allow_unicode=True,
+        width=100,
+    )
+    return out

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from agentkv.chat.tokenizer import cache_dir
+
 __all__ = [
     "INSTALLER",
     "Setup",
@@ -57,26 +59,22 @@ class Setup:
     """The installed ``vllm`` (None on a dry run)."""
 
 
-def _cache_dir() -> Path:
-    env = os.environ.get("AGENTKV_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "agentkv"
-
-
 def record_path() -> Path:
     """Where the setup records the paths it made."""
-    return _cache_dir() / "vllm-cpu.json"
+    return cache_dir() / "vllm-cpu.json"
 
 
 def default_venv(version: str = "0.33.0") -> Path:
     """The installer's default environment: ``$AGENTKV_VLLM_VENV``, else
-    ``~/.cache/agentkv/vllm-cpu-VERSION`` (as ``install-vllm-cpu.sh`` chooses it)."""
+    ``vllm-cpu-VERSION`` in :func:`~agentkv.chat.tokenizer.cache_dir` (as ``install-vllm-cpu.sh``
+    chooses it)."""
     env = os.environ.get("AGENTKV_VLLM_VENV")
-    return Path(env).expanduser() if env else Path.home() / ".cache/agentkv" / f"vllm-cpu-{version}"
+    return Path(env).expanduser() if env else cache_dir() / f"vllm-cpu-{version}"
 
 
 def default_model_dir() -> Path:
     """The tiny model's directory (also the conformance tests')."""
-    return _cache_dir() / "tiny-qwen3"
+    return cache_dir() / "tiny-qwen3"
 
 
 def installer_path() -> Path:

@@ -203,8 +203,13 @@ def test_disk_cache(tmp_path, monkeypatch):
 
 def test_cache_dir_default(monkeypatch, tmp_path):
     monkeypatch.delenv("AGENTKV_CACHE_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
     assert tokenizer_mod.cache_dir() == tmp_path / ".cache" / "agentkv"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert tokenizer_mod.cache_dir() == tmp_path / "xdg" / "agentkv"
+    monkeypatch.setenv("AGENTKV_CACHE_DIR", str(tmp_path / "mine"))
+    assert tokenizer_mod.cache_dir() == tmp_path / "mine"
 
 
 def test_atomic_write_leaves_no_temp_files(tmp_path):
