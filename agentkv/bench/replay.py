@@ -67,7 +67,6 @@ __all__ = [
     "real_gap",
     "replay_policy",
     "scrape",
-    "summarize_errors",
     "wait_drained",
 ]
 
@@ -541,12 +540,4 @@ async def scrape(urls: Sequence[str], names: Sequence[str]) -> dict[str, float]:
                 parsed = parse_metrics((await client.get(f"{url}/metrics")).text)
                 for name in names:
                     out[name] += parsed.get(name, 0.0)
-    return out
-
-
-def summarize_errors(records: Sequence[TurnRecord]) -> Mapping[str, int]:
-    out: dict[str, int] = {}
-    for r in records:
-        if r.error:
-            out[r.error.split(":", 1)[0]] = out.get(r.error.split(":", 1)[0], 0) + 1
     return out
