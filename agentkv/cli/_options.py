@@ -3,8 +3,8 @@ is a new flag with no CLI edit.
 
 Each field ``name`` becomes ``--name`` in kebab case with the field's default (a bool that
 defaults to true: the switch ``--no-name`` that turns it off, whose name may be changed) and, for
-help, the CLI's short text for it if it has one, else the field's ``description``, else the
-first sentence of its attribute docstring.
+help, the CLI's short text for it if it has one, else the first sentence of the field's
+``description`` (a model with ``use_attribute_docstrings`` takes it from the attribute docstring).
 A ``Literal`` is passed as a string (the model validates it, so the error names the choices); a
 nested model, ``dict`` or ``list`` as JSON; a field with a ``default_factory`` (a random id) is
 unset unless given.
@@ -12,11 +12,8 @@ unset unless given.
 
 from __future__ import annotations
 
-import ast
 import inspect
-import itertools
 import re
-import textwrap
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -27,7 +24,7 @@ import typer
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-__all__ = ["Flag", "attribute_docs", "model_values", "option_name", "with_model_options"]
+__all__ = ["Flag", "model_values", "option_name", "with_model_options"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 _SCALARS = (bool, int, float, str)
@@ -47,30 +44,6 @@ class Flag:
 
 def option_name(field: str) -> str:
     return "--" + field.replace("_", "-")
-
-
-def attribute_docs(model: type[BaseModel]) -> dict[str, str]:
-    """Each field's attribute docstring (the string literal under it), in one line, reST markup
-    (````x````, ``:class:`~a.B```) reduced to its text; base classes first."""
-    docs: dict[str, str] = {}
-    for cls in reversed(model.__mro__):
-        if not (isinstance(cls, type) and issubclass(cls, BaseModel)) or cls is BaseModel:
-            continue
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-        except (OSError, TypeError, SyntaxError):
-            continue
-        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-        for stmt, nxt in itertools.pairwise(body):
-            if (
-                isinstance(stmt, ast.AnnAssign)
-                and isinstance(stmt.target, ast.Name)
-                and isinstance(nxt, ast.Expr)
-                and isinstance(nxt.value, ast.Constant)
-                and isinstance(nxt.value.value, str)
-            ):
-                docs[stmt.target.id] = _plain(nxt.value.value)
-    return docs
 
 
 def _plain(doc: str) -> str:
@@ -100,11 +73,10 @@ def _shape(annotation: Any) -> tuple[type, bool, tuple[str, ...], bool]:
     return str, optional, (), True  # a model, dict, list, union: JSON
 
 
-def _help(name: str, flag: Flag, description: str | None, docs: dict[str, str]) -> str:
+def _help(name: str, flag: Flag, description: str | None) -> str:
     if flag.help is not None:
         return flag.help
-    text = description or _first_sentence(docs.get(name, "")) or f"{name.replace('_', ' ')}."
-    return text
+    return _first_sentence(_plain(description or "")) or f"{name.replace('_', ' ')}."
 
 
 def model_parameters(
@@ -114,14 +86,13 @@ def model_parameters(
     unknown = set(flags) - set(model.model_fields)
     if unknown:
         raise ValueError(f"flags for fields {model.__name__} does not have: {sorted(unknown)}")
-    docs = attribute_docs(model)
     params = []
     for name, info in model.model_fields.items():
         if name in skip:
             continue
         flag = flags.get(name, Flag())
         kind, optional, choices, is_json = _shape(info.annotation)
-        help_text = _help(name, flag, info.description, docs)
+        help_text = _help(name, flag, info.description)
         if choices and flag.help is None:
             help_text = f"{help_text} ({' | '.join(choices)})"
         if info.default_factory is not None:

@@ -19,7 +19,7 @@ Compat = Literal["0.33", "0.32"]
 class SimConfig(BaseModel):
     """Everything one simulated vLLM instance needs. Durations are seconds (``*_s``/``ttl``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     role: Role = "both"
     """``prefill`` = vLLM ``kv_producer``, ``decode`` = ``kv_consumer``, ``both`` = plain server.

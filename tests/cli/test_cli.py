@@ -121,7 +121,7 @@ def test_a_new_model_field_is_a_new_flag():
     from typing import Any, Literal
 
     import typer
-    from pydantic import BaseModel, Field
+    from pydantic import BaseModel, ConfigDict, Field
 
     from agentkv.cli._options import Flag, model_values, with_model_options
 
@@ -129,6 +129,8 @@ def test_a_new_model_field_is_a_new_flag():
         a: int = 1
 
     class Model(BaseModel):
+        model_config = ConfigDict(use_attribute_docstrings=True)
+
         count: int = Field(3, description="How many.")
         mode: Literal["x", "y"] = "x"
         """The mode. More words here."""
