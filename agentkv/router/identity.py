@@ -109,8 +109,9 @@ REASONS: Final = (
 """Why a turn was rendered from the client's messages (``rendered:<reason>``): no earlier
 answer in the history; an earlier answer but no record of it (expired, evicted, over the bound,
 never kept); the messages before the last answer differ from what the client sent then; the
-last assistant message differs from what the engine returned; the model, tools or template
-differ; request options the probes do not cover (``add_generation_prompt: false``,
+last assistant message differs from what the engine returned (for both: and no earlier recorded
+answer ends an unchanged prefix, :data:`KEPT_PREFIX`); the model, tools or template differ;
+request options the probes do not cover (``add_generation_prompt: false``,
 ``continue_final_message``, ``add_special_tokens``, nothing after the answer); the template
 does not let new messages render on their own (or refused a probe: a 4xx); the probes'
 ``/tokenize`` failed otherwise (the engine); no
