@@ -242,6 +242,9 @@ async def test_redis_ledger_is_shared_and_expires_with_the_router_ttl(redis_clie
     assert a.key(key) == f"{prefix}identity:ten%3Aant:conv%251"
     await a.put(key, entry(6, 499, 3), set())
     assert [e.messages for e in await b.get(key)] == [6]  # the bound, in Redis too
+    marked = replace(entry(8, 100, 4), marks=(Mark(2, 10, 30, b"m" * 16),))
+    await a.put(key, marked, set())
+    assert (await b.get(key))[0] == marked  # the marks too
     await b.drop(key)
     assert await a.get(key) == []
     await a.put(key, entry(2, 100, 1), set())
