@@ -82,7 +82,9 @@ HEADER_TRIM_CAUSE: Final = "X-AgentKV-Trim-Cause"
 ``drift`` (the prompt diverged without one)."""
 HEADER_IDENTITY: Final = "X-AgentKV-Identity"
 """Token identity for a client that sent messages: ``kept`` (the prompt is the previous prompt +
-the generated ids + the new messages' ids, as in the SDK's exact mode) or ``rendered:<reason>``
+the generated ids + the new messages' ids, as in the SDK's exact mode), ``kept-prefix`` (the
+history changed: the recorded ids up to the last unchanged answer + the ids of the messages after
+it) or ``rendered:<reason>``
 (the client's messages rendered as sent; reasons in ``agentkv.router.identity.REASONS``)."""
 HEADER_LEASE: Final = "X-AgentKV-Lease"
 """Seconds the router keeps a conversation's handles while its agent lives (renewed by each turn

@@ -17,14 +17,21 @@ avoids this in exact mode; the router does the same for every client:
   algorithm (:mod:`agentkv.protocol.exact`) driven against the tokenizing engine's
   ``/tokenize`` and ``/detokenize``. The probes that do not depend on the request are cached
   per context;
-* otherwise (the client edited, stripped or compacted its history, changed tools, ...) the
-  whole request is rendered as today and reuse stays at the verified prefix: the model never
-  sees a token the client did not send.
+* otherwise (the client edited, stripped or compacted its history, ...) the longest prefix of
+  its messages that ends with an earlier answer and equals what the ledger recorded (each kept
+  entry carries a :class:`Mark` per answer whose ids it holds as generated: where that answer's
+  ids end, and a digest of the messages up to it) keeps its recorded ids, and the messages after
+  it are rendered by the same exact-mode algorithm (``kept-prefix``). The model sees what the
+  client sent from the first change on: a message that differs from the recorded one (reasoning
+  stripped, an edit) is never inside the kept prefix;
+* with no such prefix the whole request is rendered as today and reuse stays at the verified
+  prefix: the model never sees a token the client did not send.
 
-The receipt says which (:data:`~agentkv.protocol.HEADER_IDENTITY`: ``kept`` or
+The receipt says which (:data:`~agentkv.protocol.HEADER_IDENTITY`: ``kept``, ``kept-prefix`` or
 ``rendered:<reason>``, :data:`REASONS`). Entries are bounded (tokens per conversation, and in
-memory tokens in all, least recently used first), expire with the router TTL, are dropped when
-the conversation is closed, and with a Redis store live in the same Redis so replicas share them.
+memory tokens in all, least recently used first; :data:`MAX_MARKS` marks each), expire with the
+router TTL, are dropped when the conversation is closed, and with a Redis store live in the same
+Redis so replicas share them.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import orjson
@@ -62,10 +69,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "KEPT",
+    "KEPT_PREFIX",
+    "MAX_MARKS",
     "REASONS",
     "Entry",
     "Identity",
     "IdentityLedger",
+    "Mark",
     "MemoryLedger",
     "Pending",
     "RedisLedger",
@@ -78,6 +88,11 @@ __all__ = [
 log = logging.getLogger("agentkv.router")
 
 KEPT: Final = "kept"
+KEPT_PREFIX: Final = "kept-prefix"
+"""The history changed after an earlier answer: the recorded ids up to that answer (as
+generated), then the client's messages after it rendered on their own."""
+MAX_MARKS: Final = 64
+"""Marks an entry keeps at most (the first quarter and the most recent of its answers)."""
 REASONS: Final = (
     "first-turn",
     "no-record",
@@ -94,8 +109,9 @@ REASONS: Final = (
 """Why a turn was rendered from the client's messages (``rendered:<reason>``): no earlier
 answer in the history; an earlier answer but no record of it (expired, evicted, over the bound,
 never kept); the messages before the last answer differ from what the client sent then; the
-last assistant message differs from what the engine returned; the model, tools or template
-differ; request options the probes do not cover (``add_generation_prompt: false``,
+last assistant message differs from what the engine returned (for both: and no earlier recorded
+answer ends an unchanged prefix, :data:`KEPT_PREFIX`); the model, tools or template differ;
+request options the probes do not cover (``add_generation_prompt: false``,
 ``continue_final_message``, ``add_special_tokens``, nothing after the answer); the template
 does not let new messages render on their own (or refused a probe: a 4xx); the probes'
 ``/tokenize`` failed otherwise (the engine); no
@@ -227,6 +243,36 @@ def _ids(values: Sequence[int]) -> array[int]:
     return array("i", values)
 
 
+def _mark_digest(history: bytes, answer: bytes) -> bytes:
+    """The digest of messages ``[:n]`` (``history``, :func:`_prefix_digests`) followed by the
+    answer ``n`` (its :func:`message_digest`)."""
+    return _digest(history + answer)
+
+
+@dataclass(frozen=True)
+class Mark:
+    """An answer whose ids an entry's prompt holds as the model generated them: the client's
+    messages up to and with it keep ``prompt[:end]``."""
+
+    messages: int
+    """The answer's index in the client's messages (how many came before it)."""
+    start: int
+    """Where its ids start in the prompt."""
+    end: int
+    """Where they end (the messages after it render from there)."""
+    digest: bytes
+    """:func:`_mark_digest` of the messages before it and of the answer as returned."""
+
+
+def _bounded(marks: Sequence[Mark]) -> tuple[Mark, ...]:
+    """At most :data:`MAX_MARKS`: the oldest quarter (a compaction keeps the start) and the
+    most recent (an edit or a strip is usually near the end)."""
+    if len(marks) <= MAX_MARKS:
+        return tuple(marks)
+    head = MAX_MARKS // 4
+    return (*marks[:head], *marks[len(marks) - (MAX_MARKS - head) :])
+
+
 @dataclass(frozen=True)
 class Entry:
     """One answered turn, as the router keeps it."""
@@ -242,10 +288,21 @@ class Entry:
     """The prompt's ids."""
     output: array[int]
     """The answer's ids."""
+    marks: tuple[Mark, ...] = ()
+    """The earlier answers whose ids ``prompt`` holds as generated, oldest first."""
 
     @property
     def tokens(self) -> int:
         return len(self.prompt) + len(self.output)
+
+    def own_mark(self) -> Mark:
+        """The mark of this entry's own answer."""
+        return Mark(
+            self.messages,
+            len(self.prompt),
+            self.tokens,
+            _mark_digest(self.history, self.answer),
+        )
 
     @property
     def id(self) -> tuple[int, bytes]:
@@ -253,8 +310,9 @@ class Entry:
         return (self.messages, self.history)
 
 
-_HEAD = struct.Struct("<III")
-_FORMAT = 1
+_HEAD = struct.Struct("<IIII")
+_MARK = struct.Struct("<III")
+_FORMAT = 2
 
 
 def _le(ids: array[int]) -> bytes:
@@ -274,17 +332,19 @@ def _from_le(data: bytes) -> array[int]:
 
 
 def pack(entries: Sequence[Entry]) -> bytes:
-    """Entries as bytes (ids little-endian, 4 bytes each)."""
+    """Entries as bytes (ids little-endian, 4 bytes each; a mark 28 bytes)."""
     out = [bytes([_FORMAT, len(entries)])]
     for e in entries:
         out += [
-            _HEAD.pack(e.messages, len(e.prompt), len(e.output)),
+            _HEAD.pack(e.messages, len(e.prompt), len(e.output), len(e.marks)),
             e.history,
             e.answer,
             e.context,
             _le(e.prompt),
             _le(e.output),
         ]
+        for m in e.marks:
+            out += [_MARK.pack(m.messages, m.start, m.end), m.digest]
     return b"".join(out)
 
 
@@ -296,7 +356,7 @@ def unpack(data: bytes) -> list[Entry]:
     at = 2
     try:
         for _ in range(data[1]):
-            messages, n_prompt, n_output = _HEAD.unpack_from(data, at)
+            messages, n_prompt, n_output, n_marks = _HEAD.unpack_from(data, at)
             at += _HEAD.size
             history, answer, context = (
                 data[at + i * _DIGEST : at + (i + 1) * _DIGEST] for i in range(3)
@@ -308,7 +368,16 @@ def unpack(data: bytes) -> list[Entry]:
             at += 4 * n_output
             if len(prompt) != n_prompt or len(output) != n_output:
                 return []
-            out.append(Entry(messages, history, answer, context, prompt, output))
+            marks = []
+            for _ in range(n_marks):
+                m, start, end = _MARK.unpack_from(data, at)
+                at += _MARK.size
+                digest = data[at : at + _DIGEST]
+                at += _DIGEST
+                if len(digest) != _DIGEST:
+                    return []
+                marks.append(Mark(m, start, end, digest))
+            out.append(Entry(messages, history, answer, context, prompt, output, tuple(marks)))
     except (struct.error, ValueError):
         return []
     return out
@@ -464,6 +533,8 @@ class Pending:
     context: bytes
     replaces: frozenset[tuple[int, bytes]]
     """The entries this turn's history extends (superseded by its own)."""
+    marks: tuple[Mark, ...] = ()
+    """The earlier answers whose generated ids the turn's prompt holds (when it was kept)."""
 
 
 @dataclass(frozen=True)
@@ -471,10 +542,11 @@ class Resolved:
     """A turn's prompt as far as token identity goes."""
 
     ids: list[int] | None
-    """The prompt (previous prompt + answer + the new messages' ids); None: render the
-    client's messages."""
+    """The prompt (previous prompt + answer + the new messages' ids, or the ids kept up to an
+    earlier answer + the ids of the messages after it); None: render the client's messages."""
     outcome: str | None
-    """``kept`` or ``rendered:<reason>`` (None: not a chat request, no receipt)."""
+    """``kept``, ``kept-prefix`` or ``rendered:<reason>`` (None: not a chat request, no
+    receipt)."""
     pending: Pending | None = None
 
 
@@ -535,7 +607,8 @@ class Identity:
         except Exception as exc:  # an accelerator: a failing Redis costs identity, not the turn
             self._failed("identity_get", exc)
             entries = []
-        prefixes = _prefix_digests(messages, {e.messages for e in entries} | {len(messages)})
+        counts = {e.messages for e in entries} | {m.messages for e in entries for m in e.marks}
+        prefixes = _prefix_digests(messages, counts | {len(messages)})
         extended = [
             e
             for e in entries
@@ -553,30 +626,74 @@ class Identity:
                 isinstance(m, Mapping) and m.get("role") == "assistant" for m in messages
             )
             return _rendered("no-record" if answered else "first-turn", pending)
-        if not extended:
-            return _rendered("history-changed", pending)
-        reason = ""
+        reason = "" if extended else "history-changed"
         for entry in extended:
             found = self._check(entry, messages, context, req.body)
             if isinstance(found, str):
                 reason = reason or found
                 continue
-            try:
-                ids = await self._append(entry, found, messages[entry.messages + 1 :], req, ask)
-            except (ExactError, UpstreamError) as exc:
-                # the template cannot render the new messages alone, or refused a probe
-                why = exc.kind if isinstance(exc, ExactError) else f"/tokenize {exc.status}"
-                log.info(
-                    "token identity: rendering the messages conv=%s: %s",
-                    safe(req.conversation_id),
-                    why,
-                )
-                return _rendered("template", pending)
-            except Exception as exc:  # the probes' /tokenize: render the messages instead
-                self._failed("identity_probe", exc)
-                return _rendered("probe-failed", pending)
-            return Resolved(ids, KEPT, pending)
-        return _rendered(reason, pending)
+            mark = entry.own_mark()
+            got = await self._kept(entry, mark, found, messages, req, ask, pending)
+            if got.ids is None:
+                return got
+            return replace(got, pending=replace(pending, marks=_bounded([*entry.marks, mark])))
+        # the history changed: the longest prefix ending with a recorded answer, if any
+        best: tuple[Entry, int] | None = None
+        for entry in entries:
+            if entry.context != context or not _options_ok(req.body):
+                continue
+            for i, mark in enumerate(entry.marks):
+                if best is not None and best[0].marks[best[1]].messages >= mark.messages:
+                    continue
+                if mark.messages + 1 >= len(messages):
+                    continue  # nothing after it (or not in this history)
+                answer = messages[mark.messages]
+                history = prefixes.get(mark.messages)
+                if (
+                    history is not None
+                    and isinstance(answer, Mapping)
+                    and _mark_digest(history, message_digest(answer)) == mark.digest
+                    and all(isinstance(m, Mapping) for m in messages[mark.messages + 1 :])
+                ):
+                    best = (entry, i)
+        if best is None:
+            return _rendered(reason, pending)
+        entry, i = best
+        mark = entry.marks[i]
+        got = await self._kept(
+            entry, mark, messages[mark.messages], messages, req, ask, pending, KEPT_PREFIX
+        )
+        if got.ids is None:
+            return got
+        return replace(got, pending=replace(pending, marks=entry.marks[: i + 1]))
+
+    async def _kept(
+        self,
+        entry: Entry,
+        mark: Mark,
+        answer: Mapping[str, Any],
+        messages: Sequence[Any],
+        req: ClientRequest,
+        ask: Ask,
+        pending: Pending,
+        outcome: str = KEPT,
+    ) -> Resolved:
+        """The entry's ids up to ``mark``'s answer + the ids of the messages after it."""
+        try:
+            ids = await self._append(entry, mark, answer, messages[mark.messages + 1 :], req, ask)
+        except (ExactError, UpstreamError) as exc:
+            # the template cannot render the new messages alone, or refused a probe
+            why = exc.kind if isinstance(exc, ExactError) else f"/tokenize {exc.status}"
+            log.info(
+                "token identity: rendering the messages conv=%s: %s",
+                safe(req.conversation_id),
+                why,
+            )
+            return _rendered("template", pending)
+        except Exception as exc:  # the probes' /tokenize: render the messages instead
+            self._failed("identity_probe", exc)
+            return _rendered("probe-failed", pending)
+        return Resolved(ids, outcome, pending)
 
     @staticmethod
     def _check(
@@ -601,6 +718,7 @@ class Identity:
     async def _append(
         self,
         entry: Entry,
+        mark: Mark,
         answer: Mapping[str, Any],
         new: Sequence[Any],
         req: ClientRequest,
@@ -642,12 +760,10 @@ class Identity:
                 raise ValueError("/detokenize returned no 'prompt'")
             return text
 
-        job = AppendJob([dict(m) for m in new], list(entry.output), dict(answer))
+        kept = (entry.prompt.tolist() + entry.output.tolist())[: mark.end]
+        job = AppendJob([dict(m) for m in new], kept[mark.start :], dict(answer))
         appended = await run_plan_async(append_plan(job), answer_call)
-        ids = entry.prompt.tolist()
-        ids += entry.output.tolist()
-        ids += appended
-        return ids
+        return kept + appended
 
     async def record(
         self,
@@ -659,6 +775,9 @@ class Identity:
         """Keep an answered turn (nothing without its ids or its message)."""
         if not output_ids or not prompt_ids or message is None:
             return
+        marks = pending.marks
+        if marks and marks[-1].end > len(prompt_ids):
+            marks = ()  # not the prompt resolved: its marks do not hold
         try:
             entry = Entry(
                 pending.messages,
@@ -667,6 +786,7 @@ class Identity:
                 pending.context,
                 _ids(prompt_ids),
                 _ids(output_ids),
+                marks,
             )
             await self.ledger.put(pending.key, entry, set(pending.replaces))
         except Exception as exc:

@@ -139,6 +139,7 @@ class RouterMetrics:
         Counter,
         R.IDENTITY_TURNS,
         "Chat turns by token identity: kept (previous prompt + generated ids + new messages), "
+        "kept-prefix (a changed history's recorded ids up to its last unchanged answer), "
         "or the reason the client's messages were rendered.",
         ("outcome",),
     )

@@ -43,7 +43,8 @@ class Receipt:
     """L (None: unknown, P's KV events are off)."""
     cause: str | None
     identity: str | None = None
-    """``kept`` or ``rendered:<reason>`` (chat turns; :mod:`agentkv.router.identity`)."""
+    """``kept``, ``kept-prefix`` or ``rendered:<reason>`` (chat turns;
+    :mod:`agentkv.router.identity`)."""
 
     def headers(self) -> dict[str, str]:
         out = {

@@ -8,6 +8,7 @@ import asyncio
 import uuid
 from array import array
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +21,11 @@ from agentkv.router.config import RouterConfig
 from agentkv.router.errors import UpstreamError
 from agentkv.router.identity import (
     KEPT,
+    KEPT_PREFIX,
+    MAX_MARKS,
     Entry,
     Identity,
+    Mark,
     MemoryLedger,
     Pending,
     RedisLedger,
@@ -151,7 +155,8 @@ def entry(messages: int, tokens: int, tag: int = 0) -> Entry:
 
 
 def test_entries_pack_and_unpack() -> None:
-    entries = [entry(3, 10, 1), entry(5, 40_000, 7)]
+    marks = (Mark(2, 5, 9, b"m" * 16), Mark(4, 12, 20, b"n" * 16))
+    entries = [entry(3, 10, 1), entry(5, 40_000, 7), replace(entry(6, 30, 2), marks=marks)]
     assert unpack(pack(entries)) == entries
     assert unpack(pack(entries)[:-1]) == []  # cut short
     assert unpack(b"\x09" + pack(entries)[1:]) == []  # another format
@@ -237,6 +242,9 @@ async def test_redis_ledger_is_shared_and_expires_with_the_router_ttl(redis_clie
     assert a.key(key) == f"{prefix}identity:ten%3Aant:conv%251"
     await a.put(key, entry(6, 499, 3), set())
     assert [e.messages for e in await b.get(key)] == [6]  # the bound, in Redis too
+    marked = replace(entry(8, 100, 4), marks=(Mark(2, 10, 30, b"m" * 16),))
+    await a.put(key, marked, set())
+    assert (await b.get(key))[0] == marked  # the marks too
     await b.drop(key)
     assert await a.get(key) == []
     await a.put(key, entry(2, 100, 1), set())
@@ -545,3 +553,136 @@ async def test_a_failing_ledger_costs_identity_not_the_turn(tok: Tokenizer) -> N
     finally:
         await dead.aclose()
     assert errors == ["identity_get", "identity_put"]
+
+
+# -- a rewritten history keeps the ids of its unchanged prefix ------------------------------------
+def _turn_answer(i: int) -> dict[str, Any]:
+    return {"role": "assistant", "content": f"Answer {i}: it defines f{i}().", "reasoning": "Hm."}
+
+
+async def _conversation(
+    identity: Identity, tok: Tokenizer, turns: int
+) -> tuple[list[dict[str, Any]], list[tuple[list[int], list[int]]]]:
+    """``turns`` answered turns, each after the first kept: the history and each turn's
+    (prompt, output)."""
+    messages: list[dict[str, Any]] = [SYSTEM, USER]
+    ids = []
+    for i in range(turns):
+        outcome, prompt, output = await answered(identity, tok, messages, _turn_answer(i))
+        assert outcome == ("rendered:first-turn" if i == 0 else KEPT)
+        ids.append((prompt, output))
+        messages = [*messages, _turn_answer(i), {"role": "user", "content": f"And f{i + 1}?"}]
+    return messages[:-1], ids
+
+
+async def _prefix_kept(
+    identity: Identity,
+    tok: Tokenizer,
+    messages: list[dict[str, Any]],
+    upto: tuple[list[int], list[int]],
+    answer_at: int,
+) -> list[int]:
+    """Resolve ``messages`` and check it keeps ``upto``'s prompt and answer, then the ids of
+    the messages after the answer at ``answer_at`` exactly as the template renders them."""
+    got = await identity.resolve(request(messages), tok.ask)
+    assert got.outcome == KEPT_PREFIX and got.ids is not None
+    prompt, output = upto
+    kept = len(prompt) + len(output)
+    assert got.ids[:kept] == [*prompt, *output]
+    job = AppendJob(messages[answer_at + 1 :], output, messages[answer_at])
+    tail = await run_plan_async(append_plan(job), _answer(tok))
+    assert got.ids[kept:] == tail
+    # what follows the kept answer is what the client sent: the template's own rendering
+    full = await tok.render(messages)
+    assert full[len(full) - len(tail) :] == tail and full != got.ids
+    return got.ids
+
+
+async def test_a_rewrite_that_keeps_the_first_messages_keeps_their_ids(tok: Tokenizer) -> None:
+    identity = identity_of()
+    history, ids = await _conversation(identity, tok, 4)
+    # a compaction that keeps the first two answers (messages 0-4) and summarizes the rest
+    summary = {"role": "user", "content": "Summary: f2 and f3 print numbers. Go on."}
+    rewritten = [*history[:5], summary]
+    assert [m["role"] for m in rewritten[2:5:2]] == ["assistant", "assistant"]
+    got = await _prefix_kept(identity, tok, rewritten, ids[1], 4)
+    # that turn is kept with its own prefix: the next turn extends it as usual
+    reply = {"role": "assistant", "content": "Going on."}
+    await identity.record(
+        (await identity.resolve(request(rewritten), tok.ask)).pending,  # type: ignore[arg-type]
+        got,
+        [7, 151645],
+        reply,
+    )
+    later = [*rewritten, reply, {"role": "user", "content": "Then?"}]
+    again = await identity.resolve(request(later), tok.ask)
+    assert again.outcome == KEPT and again.ids is not None
+    assert again.ids[: len(got) + 2] == [*got, 7, 151645]
+    # and a rewrite of that one still finds the first answers' ids
+    back = [*history[:3], {"role": "user", "content": "Only f1, please."}]
+    await _prefix_kept(identity, tok, back, ids[0], 2)
+
+
+@pytest.mark.parametrize("change", ["strip-reasoning", "edit-answer", "edit-user", "edit-tool"])
+async def test_the_kept_prefix_stops_before_the_first_change(tok: Tokenizer, change: str) -> None:
+    identity = identity_of()
+    history, ids = await _conversation(identity, tok, 4)
+    new = {"role": "user", "content": "Next?"}
+    changed = [dict(m) for m in history]
+    if change == "strip-reasoning":  # every answer from the third on, as a client strips them
+        for m in changed[6:]:
+            m.pop("reasoning", None)
+        first = 6
+    elif change == "edit-answer":
+        changed[6]["content"] = "Answer 2: it defines g()."
+        first = 6
+    elif change == "edit-user":
+        changed[5]["content"] = "And g?"
+        first = 5
+    else:  # a tool result in place of a user message
+        changed[3] = {"role": "tool", "tool_call_id": "call_1", "content": "f1"}
+        first = 3
+    # the last answer before the first change is the last one kept
+    answer_at = max(i for i in (2, 4, 6, 8) if i < first)
+    got = await _prefix_kept(identity, tok, [*changed, new], ids[answer_at // 2 - 1], answer_at)
+    # nothing of the changed message's recorded ids: the prompt holds the client's version
+    assert len(got) >= len(ids[answer_at // 2 - 1][0])
+
+
+async def test_an_edit_before_the_first_answer_keeps_nothing(tok: Tokenizer) -> None:
+    identity = identity_of()
+    history, _ = await _conversation(identity, tok, 3)
+    edited = [SYSTEM, {**USER, "content": "What is in b.py?"}, *history[2:]]
+    got = await identity.resolve(request([*edited, USER]), tok.ask)
+    assert (got.outcome, got.ids) == ("rendered:history-changed", None)
+    # another context keeps nothing either
+    other = await identity.resolve(
+        request([*history[:3], USER], chat_template_kwargs={"enable_thinking": False}), tok.ask
+    )
+    assert (other.outcome, other.ids) == ("rendered:history-changed", None)
+
+
+async def test_marks_are_bounded(tok: Tokenizer) -> None:
+    from agentkv.router.identity import _prefix_digests
+
+    identity = identity_of()
+    answer = {"role": "assistant", "content": "It defines main()."}
+    later = request([SYSTEM, USER, answer, {"role": "user", "content": "Why?"}])
+    marks = tuple(Mark(0, i, i + 1, bytes([i]) * 16) for i in range(MAX_MARKS))
+    e = Entry(
+        2,
+        _prefix_digests([SYSTEM, USER], {2})[2],
+        answer_digest(answer),
+        context_digest(later.body),
+        array("i", await tok.render([SYSTEM, USER])),
+        array("i", [5, 151645]),
+        marks,
+    )
+    await identity.ledger.put((later.tenant, "c1"), e, set())
+    got = await identity.resolve(later, tok.ask)
+    assert got.outcome == KEPT and got.pending is not None
+    # one more than the bound: the oldest quarter and the most recent stay
+    assert len(got.pending.marks) == MAX_MARKS
+    assert got.pending.marks[: MAX_MARKS // 4] == marks[: MAX_MARKS // 4]
+    assert got.pending.marks[MAX_MARKS // 4] == marks[MAX_MARKS // 4 + 1]
+    assert got.pending.marks[-1] == e.own_mark()

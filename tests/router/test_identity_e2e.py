@@ -15,6 +15,9 @@ import pytest
 from agentkv.protocol import HEADER_IDENTITY, HEADER_TRIM_CAUSE, HEADER_VERIFIED_PREFIX_TOKENS
 from tests._support.agents import SYSTEM, TOOLS
 from tests._support.stack import MODEL, Stack, stack
+from tests._support.templates import TEMPLATES_DIR
+
+QWEN3 = str(TEMPLATES_DIR / "qwen3.jinja")
 
 pytestmark = pytest.mark.e2e
 
@@ -215,8 +218,35 @@ def test_streams_re_streamed_from_vllm_032_keep_identity(tmp_path: Any) -> None:
         assert s.wrong_kv() == 0
 
 
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _assert_prefix_kept(
+    s: Stack, turn: dict[str, Any], messages: list[dict[str, Any]], upto: dict[str, Any]
+) -> int:
+    """``turn`` ran ``upto``'s prompt and answer as generated, then exactly P's rendering of
+    the client's messages after that answer (the tail of a whole rendering). Returns where the
+    kept ids end."""
+    assert turn["headers"][HEADER_IDENTITY.lower()] == "kept-prefix", turn["headers"]
+    kept = [*upto["prompt_ids"], *upto["output_ids"]]
+    assert turn["prompt_ids"][: len(kept)] == kept
+    tail = turn["prompt_ids"][len(kept) :]
+    whole = _p_tokenize(s, messages)
+    assert tail and whole[len(whole) - len(tail) :] == tail
+    assert turn["usage"]["prompt_tokens"] == len(turn["prompt_ids"])
+    return len(kept)
+
+
 @pytest.mark.parametrize("change", ["edited", "reasoning-stripped"])
-def test_a_changed_answer_is_rendered_as_the_client_sent_it(pd: Stack, change: str) -> None:
+def test_a_changed_answer_keeps_the_prefix_before_it(pd: Stack, change: str) -> None:
+    """The last answer changed: the ids up to the answer before it are kept, the changed
+    answer is rendered as the client sent it."""
     chat = PlainChat(pd.router.url, f"changed-{change}")
     try:
         chat.messages.append({"role": "user", "content": "What does src/app.py do?"})
@@ -230,22 +260,88 @@ def test_a_changed_answer_is_rendered_as_the_client_sent_it(pd: Stack, change: s
         else:
             del answer["reasoning"]
         chat.messages.append({"role": "user", "content": "Sure?"})
-        expected = _p_tokenize(pd, chat.messages)
+        messages = list(chat.messages)
         third = chat.turn(SCRIPTS[2], stream=False)
     finally:
         chat.close()
+    kept = _assert_prefix_kept(pd, third, messages, first)
     headers = third["headers"]
-    assert headers[HEADER_IDENTITY.lower()] == "rendered:answer-changed"
-    # the engine ran exactly P's rendering of the client's messages, nothing of its own
-    assert third["prompt_ids"] == expected
-    assert third["usage"]["prompt_tokens"] == len(expected)
-    # reuse stays at the verified prefix: short of the previous answer
+    # reuse covers the first answer and its tool call, and stops short of the changed one
     held = second["usage"]["prompt_tokens"] + second["usage"]["completion_tokens"] - 1
     verified = int(headers[HEADER_VERIFIED_PREFIX_TOKENS.lower()])
-    assert 0 < verified < held
+    assert kept - 16 < verified < held
     assert headers[HEADER_TRIM_CAUSE.lower()] == "drift"
     assert third["prompt_ids"][:verified] == second["prompt_ids"][:verified]
     assert pd.wrong_kv() == 0
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """P and D with the real Qwen3 template of ``../shared/chat-templates``."""
+    template = ("--template", QWEN3)
+    p_args = (("--no-prefix-caching", *template),)
+    with stack(tmp_path_factory.mktemp("qwen3"), p_args=p_args, d_args=(template,)) as s:
+        yield s
+
+
+def test_a_rewrite_that_keeps_the_first_messages_pulls_their_ids(qwen3: Stack) -> None:
+    """A compaction that keeps the first five messages (a tool call, its result, an answer):
+    the next turn prompts with their recorded ids, tool call as generated, and pulls them all
+    from D; a whole rendering would have left D at the first answer."""
+    chat = PlainChat(qwen3.router.url, "rewrite-keeps-prefix")
+    try:
+        turns = _four_turns(chat, (False, True, False, True))
+        _assert_kept(turns)
+        last = turns[-1]
+        held = [*last["prompt_ids"], *last["output_ids"][:-1]]  # what D holds
+        chat.messages = [*chat.messages[:5], {"role": "user", "content": "Summary: main prints."}]
+        messages = list(chat.messages)
+        whole = _p_tokenize(qwen3, messages)
+        rewritten = chat.turn(SCRIPTS[3], stream=False)
+        chat.messages.append({"role": "user", "content": "Go on."})
+        after = chat.turn(SCRIPTS[2], stream=True)
+    finally:
+        chat.close()
+    kept = _assert_prefix_kept(qwen3, rewritten, messages, turns[1])
+    headers = rewritten["headers"]
+    verified = int(headers[HEADER_VERIFIED_PREFIX_TOKENS.lower()])
+    assert headers["x-agentkv-decision"] == "pull"
+    assert verified >= kept // 16 * 16
+    # more than the client's history rendered whole would have read back
+    assert _common(whole, held) < kept // 16 * 16 <= verified
+    assert int(headers["x-agentkv-reused-tokens"]) >= kept // 16 * 16
+    # the turn after the rewrite extends it as usual
+    assert after["headers"][HEADER_IDENTITY.lower()] == "kept"
+    assert HEADER_TRIM_CAUSE.lower() not in after["headers"]
+    assert qwen3.wrong_kv() == 0
+
+
+@pytest.mark.parametrize("edit", ["tool-result", "first-user"])
+def test_an_edited_early_message_keeps_nothing_past_the_edit(qwen3: Stack, edit: str) -> None:
+    chat = PlainChat(qwen3.router.url, f"edit-{edit}")
+    try:
+        turns = _four_turns(chat, (False, False, True, False))
+        if edit == "tool-result":
+            chat.messages[3] = {**chat.messages[3], "content": "def main():\n    print(7)\n"}
+        else:
+            chat.messages[1] = {"role": "user", "content": "What does src/lib.py do?"}
+        chat.messages.append({"role": "user", "content": "Once more?"})
+        messages = list(chat.messages)
+        edited = chat.turn(SCRIPTS[3], stream=False)
+    finally:
+        chat.close()
+    headers = edited["headers"]
+    verified = int(headers[HEADER_VERIFIED_PREFIX_TOKENS.lower()])
+    if edit == "tool-result":
+        # the first answer (the tool call) is kept; the edited result is the client's own
+        kept = _assert_prefix_kept(qwen3, edited, messages, turns[0])
+        assert kept - 16 < verified < len(turns[1]["prompt_ids"])
+    else:
+        assert headers[HEADER_IDENTITY.lower()] == "rendered:history-changed"
+        assert edited["prompt_ids"] == _p_tokenize(qwen3, messages)
+        assert verified < len(turns[0]["prompt_ids"])
+    assert headers[HEADER_TRIM_CAUSE.lower()] == "drift"
+    assert qwen3.wrong_kv() == 0
 
 
 def test_a_closed_conversation_forgets_its_answers(pd: Stack) -> None:
