@@ -272,6 +272,32 @@ def real_gap(turn: ScriptedTurn, settings: ReplaySettings) -> float:
     return gap
 
 
+def start_record(
+    policy: str,
+    session: str,
+    turn: ScriptedTurn,
+    settings: ReplaySettings,
+    *,
+    tool_wait: bool,
+    client: str = "sdk",
+) -> TurnRecord:
+    """The record of ``turn`` before it is sent: what the trace says of it and its real gap
+    (``tool_wait``: the previous answer ended in a tool call)."""
+    return TurnRecord(
+        policy=policy,
+        session=session,
+        turn=turn.index,
+        kind=turn.kind,
+        gap_trace_s=turn.gap_s,
+        gap_real_s=real_gap(turn, settings) if turn.index else 0.0,
+        within_ttl=turn.index > 0 and turn.gap_s < settings.reuse_until_s(tool_wait),
+        trace_input_tokens=turn.trace.input_tokens,
+        trace_output_tokens=turn.trace.output_tokens,
+        tool_call=turn.trace.tool_call,
+        client=client,
+    )
+
+
 class _Agents:
     """The SDK clients of one policy's run: one client for every session, or (``lease``) one
     client per agent life, so that an agent's death stops its lease renewals and nothing else."""
@@ -351,19 +377,8 @@ async def _run_session(
     render_s = 0.0  # how long the SDK took from create() to sending, last turn
     tool_wait = False  # the previous answer ended in a tool call
     for turn in script.turns:
-        gap_real = real_gap(turn, settings) if turn.index else 0.0
-        rec = TurnRecord(
-            policy=policy,
-            session=script.id,
-            turn=turn.index,
-            kind=turn.kind,
-            gap_trace_s=turn.gap_s,
-            gap_real_s=gap_real,
-            within_ttl=turn.index > 0 and turn.gap_s < settings.reuse_until_s(tool_wait),
-            trace_input_tokens=turn.trace.input_tokens,
-            trace_output_tokens=turn.trace.output_tokens,
-            tool_call=turn.trace.tool_call,
-        )
+        rec = start_record(policy, script.id, turn, settings, tool_wait=tool_wait)
+        gap_real = rec.gap_real_s
         lease = settings.lease
         if turn.index and lease is not None and not tool_wait and turn.gap_s > lease.ui_idle_s:
             # a user wait past the UI idle timeout: the agent dies then, and comes back later

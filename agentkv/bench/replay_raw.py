@@ -40,7 +40,7 @@ from agentkv.bench.replay import (
     TurnRecord,
     ideal_tokens,
     modelled_retention,
-    real_gap,
+    start_record,
 )
 from agentkv.bench.wire import (
     HEADER_IDENTITY,
@@ -211,20 +211,10 @@ class RawClients:
         answered = time.perf_counter()
         tool_wait = False
         for turn in script.turns:
-            gap_real = real_gap(turn, settings) if turn.index else 0.0
-            rec = TurnRecord(
-                policy=policy,
-                session=script.id,
-                turn=turn.index,
-                kind=turn.kind,
-                gap_trace_s=turn.gap_s,
-                gap_real_s=gap_real,
-                within_ttl=turn.index > 0 and turn.gap_s < settings.reuse_until_s(tool_wait),
-                trace_input_tokens=turn.trace.input_tokens,
-                trace_output_tokens=turn.trace.output_tokens,
-                tool_call=turn.trace.tool_call,
-                client=self.client_name,
+            rec = start_record(
+                policy, script.id, turn, settings, tool_wait=tool_wait, client=self.client_name
             )
+            gap_real = rec.gap_real_s
             wait = answered + gap_real - time.perf_counter()
             if turn.index and wait > 0:
                 await asyncio.sleep(wait)

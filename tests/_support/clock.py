@@ -27,3 +27,14 @@ class SharedClock:
 
     def advance(self, seconds: float) -> None:
         self.t += seconds
+
+
+class FakeClock:
+    """A clock the test sets (``clock.now``), for objects that take a ``clock`` callable (the
+    router's handle store and leases)."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now

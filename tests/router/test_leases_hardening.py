@@ -26,18 +26,11 @@ from agentkv.router.leases import Leases, MemoryLeases, RedisLeases
 from agentkv.router.metrics import RouterMetrics
 from agentkv.router.retention import Retention
 from agentkv.router.store import MemoryStore, StoredHandle, StoreKey
+from tests._support.clock import FakeClock
 from tests._support.stack import MODEL, Stack, rss_mib, stack
 
 FLOOD = 200_000
 BATCH = 10_000
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @dataclass

@@ -22,6 +22,7 @@ from agentkv.router.store import (
     StoreKey,
     make_store,
 )
+from tests._support.clock import FakeClock
 
 pytestmark = pytest.mark.anyio
 
@@ -52,14 +53,6 @@ def handle(n: int = 0, *, decode: str = "http://10.0.0.2:8200", epoch: int = 0) 
         epoch=epoch,
         decode_url=decode,
     )
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @dataclass
