@@ -169,6 +169,7 @@ class Metric:
     SIM_KV_BLOCKS_TOTAL: Final = "agentkv_sim_kv_blocks_total"
     SIM_PREFILL_TOKENS_IN_FLIGHT: Final = "agentkv_sim_prefill_tokens_in_flight"
     SIM_DECODE_SLOWDOWN_SECONDS: Final = "agentkv_sim_decode_slowdown_seconds"
+    SIM_SLOWED_DECODE_STEPS: Final = "agentkv_sim_slowed_decode_steps"
     SIM_CPU_BLOCKS: Final = "agentkv_sim_cpu_blocks"
     SIM_CPU_SAVES: Final = "agentkv_sim_cpu_saves"
     SIM_CPU_SAVE_FAILURES: Final = "agentkv_sim_cpu_save_failures"

@@ -486,6 +486,7 @@ class Engine:
         extra = self.cost.interference_s(tokens)
         if extra:
             self.metrics.decode_slowdown.inc(extra * self.clock.scale)
+            self.metrics.slowed_steps.inc()
         return extra
 
     def _save_to_cpu(self, hashes: Sequence[bytes], blocks: Sequence[Block]) -> None:

@@ -141,6 +141,9 @@ class SimMetrics:
         M.SIM_DECODE_SLOWDOWN_SECONDS,
         "Seconds added to decode steps by prefills sharing them (simulated, scaled).",
     )
+    slowed_steps = _counter(
+        M.SIM_SLOWED_DECODE_STEPS, "Decode steps that shared the instance with a prefill."
+    )
     cpu_blocks = _gauge(M.SIM_CPU_BLOCKS, "Blocks held by the CPU tier.")
     cpu_saves = _counter(M.SIM_CPU_SAVES, "Blocks saved to the CPU tier.")
     cpu_save_failures = _counter(

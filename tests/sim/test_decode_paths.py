@@ -171,12 +171,14 @@ def test_a_prefill_on_d_slows_its_running_streams(tmp_path: Path, slowdown: floa
         reader.join(60)
         assert int(r.headers[HEADER_SIM_COMPUTED_TOKENS]) == 4000
         added = delta(after, before, series("agentkv_sim_decode_slowdown_seconds_total"))
+        steps = delta(after, before, series("agentkv_sim_slowed_decode_steps_total"))
         if slowdown:
             assert max(gaps) > 0.15, gaps
-            assert added >= 0.2
+            # each slowed step gained one chunk's worth: 2,048 tokens x 0.1 ms
+            assert steps >= 1 and added / steps == pytest.approx(0.2048)
         else:
             assert max(gaps) < 0.15, gaps
-            assert added == 0
+            assert added == 0 and steps == 0
     finally:
         d.stop()
 
