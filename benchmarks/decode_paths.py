@@ -367,6 +367,10 @@ figures; default budget: at most 2,048 new tokens, 8,192 in flight per D):
 
 {table(chosen)}
 
+A turn of `n` new tokens leaves D `n` + 8 tokens to compute (turn 1's 8-token answer sits in a
+block D had not filled, so its prefix cache ends where the history does): the 2k turn's 2,056
+are just over the default 2,048.
+
 Crossover: with the default budget the model sends a turn to D up to **{last_decode:,} new
 tokens** on this history and reads it back above that; on TTFT alone decode in place stays
 cheapest up to {limit}: what ends it is
