@@ -353,8 +353,7 @@ history in its prefix cache, one without prefix caching, one D with a CPU tier. 
 from a stream decoding on D during the turn: its median step before the turn (wall clock), a
 step while the turn runs as the model has it (the preset's step plus what each slowed step
 gained: D's `agentkv_sim_decode_slowdown_seconds_total` over
-`agentkv_sim_slowed_decode_steps_total`; a prefill shorter than one step slows none, as only a
-step that starts while a prefill is in flight is slowed), and its longest step while the turn
+`agentkv_sim_slowed_decode_steps_total`), and its longest step while the turn
 runs on the wall clock (which also counts this 2-core machine's contention: the simulator moves
 KV over HTTP inside D's own process, so a read slows D's stream where NIXL would not).
 "D computed" and "D found cached" are D's `X-AgentKV-Sim-Computed-Tokens` and its GPU + CPU

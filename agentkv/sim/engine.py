@@ -180,6 +180,9 @@ class Engine:
                 seed=config.seed,
             )
         self._prefill_in_flight = 0
+        self._prefill_started = 0
+        """Prompt tokens of every prefill started so far (a step also pays for a prefill that
+        started and ended within the step before it: vLLM would have scheduled it in this one)."""
         self._clock_offsets: dict[str, float] = {}
         self._blocks_freed = asyncio.Condition()
         self._shutdown = asyncio.Event()
@@ -324,6 +327,7 @@ class Engine:
         bs = self.config.block_size
         limit = req.max_tokens if req.max_tokens is not None else self.config.max_model_len - n
         out: list[int] = []
+        seen = self._prefill_started
         try:
             yield scheduled
             finish = "length"
@@ -331,7 +335,9 @@ class Engine:
                 if len(out) >= limit:
                     break
                 if out:
-                    await self.clock.sleep(self.cost.decode_s(1, n + len(out)) + self._slowdown())
+                    extra = self._slowdown(self._prefill_started - seen)
+                    seen = self._prefill_started
+                    await self.clock.sleep(self.cost.decode_s(1, n + len(out)) + extra)
                 # This step computes the previous token's KV: it may need a new block.
                 if n + len(out) > len(state.blocks) * bs:
                     state.blocks.extend(await self._allocate(1))
@@ -466,6 +472,7 @@ class Engine:
         # ``max_num_batched_tokens`` at a time: each step of theirs is that much longer.
         in_flight = min(computed, self.config.max_num_batched_tokens)
         self._prefill_in_flight += in_flight
+        self._prefill_started += in_flight
         self.metrics.prefill_in_flight.set(self._prefill_in_flight)
         try:
             await self.clock.sleep(compute_s)
@@ -480,9 +487,11 @@ class Engine:
     def prefill_tokens_in_flight(self) -> int:
         return self._prefill_in_flight
 
-    def _slowdown(self) -> float:
-        """What one decode step gains from the prefills in flight (at most one step's budget)."""
-        tokens = min(self._prefill_in_flight, self.config.max_num_batched_tokens)
+    def _slowdown(self, started: int) -> float:
+        """What one decode step gains from the prefills it shares the engine with: those in
+        flight, or the ``started`` tokens of prefills begun since the step before (at most one
+        step's budget)."""
+        tokens = min(max(self._prefill_in_flight, started), self.config.max_num_batched_tokens)
         extra = self.cost.interference_s(tokens)
         if extra:
             self.metrics.decode_slowdown.inc(extra * self.clock.scale)
