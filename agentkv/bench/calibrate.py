@@ -16,13 +16,28 @@ TTFT is the wall-clock time to the first streamed chunk (``--timing wall``), or 
 simulator's own modelled TTFT header (``--timing model``: exact, for checking the fit; decode
 is still timed by the wall clock). The decode terms come from the decode turns; the other five
 constants of :class:`~agentkv.sim.costmodel.CostModel` are a non-negative least-squares fit of
-the recompute and pull turns. The cost file is JSON: ``{"cost_model": {...}, "measurements":
-[...], ...}``, which ``agentkv sim --costs`` and ``agentkv plan --costs`` read.
+the recompute and pull turns.
+
+With a decode instance's own URL (``--decode-url``), two more kinds go straight to it, bypassing
+the router (docs/paths.md, the ``decode`` path):
+
+* **prefill on D** at ``N``: a fresh prompt with no ``kv_transfer_params``, prefilled on D; its
+  TTFT is ``overhead + prefillD(N, 0)``, with the overhead of the router's fit;
+* **slowdown** at ``N``: while a stream of ``ignore_eos`` tokens runs on D, an ``N``-token
+  prompt is prefilled there; the longest step of the stream that starts during that prefill, less
+  the stream's median step before it, is what one decode step gains from ``min(N,
+  max_num_batched_tokens)`` prompt tokens in flight (always the wall clock).
+
+The cost file is JSON: ``{"cost_model": {...}, "curves": {...}, "measurements": [...], ...}``:
+``agentkv sim --costs`` and ``agentkv plan --costs`` read its cost model, the path cost model
+(:func:`agentkv.router.paths.curves_from`) its curves: transfer time per token, prefill per
+token on P and on D, D's slowdown per prefill token in flight.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import math
@@ -43,16 +58,21 @@ from agentkv.protocol import (
     HEADER_REUSED_TOKENS,
     HEADER_SIM_MODEL_TTFT_MS,
 )
+from agentkv.router.paths import Curves
 from agentkv.sim.costmodel import CostModel
 
 __all__ = [
     "CalibrationError",
+    "DecodeSide",
     "Measurement",
+    "curves_for",
     "describe",
     "fit_cost_model",
+    "fit_decode_side",
     "fit_rows",
     "measure",
     "measure_curve",
+    "measure_decode_side",
     "nnls",
     "predicted_s",
     "write_cost_file",
@@ -67,11 +87,13 @@ class CalibrationError(RuntimeError):
 
 @dataclass(frozen=True)
 class Measurement:
-    kind: Literal["recompute", "pull", "decode"]
+    kind: Literal["recompute", "pull", "decode", "decode_prefill", "slowdown"]
     prompt_tokens: int
     reused_tokens: int
     seconds: float
-    """TTFT (recompute, pull) or seconds per generated token after the first (decode)."""
+    """TTFT (recompute, pull, decode_prefill), seconds per generated token after the first
+    (decode), or what one decode step of D's stream gained while ``prompt_tokens`` prefilled on D
+    (slowdown)."""
 
 
 # -- least squares -----------------------------------------------------------------------------
@@ -127,7 +149,11 @@ def _medians(measurements: Sequence[Measurement]) -> list[Measurement]:
 
 
 def fit_cost_model(
-    measurements: Sequence[Measurement], block_size: int, kv_bytes_per_token: int = 0
+    measurements: Sequence[Measurement],
+    block_size: int,
+    kv_bytes_per_token: int = 0,
+    *,
+    max_num_batched_tokens: int = 8192,
 ) -> CostModel:
     """The :class:`CostModel` that best explains ``measurements`` (see the module docstring).
     Repeated measurements of the same turn are reduced to their median first (a loaded machine
@@ -165,6 +191,9 @@ def fit_cost_model(
     if len(rows) < 5:
         raise CalibrationError("too few recompute and pull turns to fit (need 5 or more)")
     overhead, p1, p2, tb, tpb = nnls(rows, y)
+    side = fit_decode_side(
+        measurements, overhead_s=overhead, max_num_batched_tokens=max_num_batched_tokens
+    )
     return CostModel(
         overhead_s=overhead,
         prefill_s_per_token=p1,
@@ -175,7 +204,99 @@ def fit_cost_model(
         decode_s_per_token=d1,
         decode_s_per_token_ctx=dctx,
         kv_bytes_per_token=kv_bytes_per_token,
+        decode_slowdown_s_per_prefill_token=side.slowdown_s_per_prefill_token or 0.0,
     )
+
+
+@dataclass(frozen=True)
+class DecodeSide:
+    """What the measurements on D itself say (None: not measured)."""
+
+    prefill_s_per_token: float | None
+    prefill_s_per_token_ctx: float | None
+    slowdown_s_per_prefill_token: float | None
+
+
+def fit_decode_side(
+    measurements: Sequence[Measurement], *, overhead_s: float, max_num_batched_tokens: int = 8192
+) -> DecodeSide:
+    """D's prefill per token (and per token pair) from its ``decode_prefill`` TTFTs (with an
+    intercept of its own from three lengths on, else less the router's ``overhead_s``), and its
+    slowdown per prefill token in flight from the ``slowdown`` turns (a line through the origin:
+    no prefill, no slowdown)."""
+    measurements = _medians(measurements)
+    prefill = [m for m in measurements if m.kind == "decode_prefill"]
+    p1 = p2 = None
+    sizes = {m.prompt_tokens for m in prefill}
+    if len(sizes) >= 3:  # D's own overhead too
+        _, p1, p2 = nnls(
+            [
+                [1.0, float(m.prompt_tokens), m.prompt_tokens * (m.prompt_tokens + 1) / 2]
+                for m in prefill
+            ],
+            [m.seconds for m in prefill],
+        )
+    elif len(sizes) == 2:
+        p1, p2 = nnls(
+            [
+                [float(m.prompt_tokens), m.prompt_tokens * (m.prompt_tokens + 1) / 2]
+                for m in prefill
+            ],
+            [m.seconds - overhead_s for m in prefill],
+        )
+    elif prefill:
+        p1, p2 = statistics.fmean((m.seconds - overhead_s) / m.prompt_tokens for m in prefill), 0.0
+    slow = [m for m in measurements if m.kind == "slowdown"]
+    s = None
+    if slow:
+        xs = [float(min(m.prompt_tokens, max_num_batched_tokens)) for m in slow]
+        s = max(
+            0.0, sum(x * m.seconds for x, m in zip(xs, slow, strict=True)) / sum(x * x for x in xs)
+        )
+    return DecodeSide(p1, p2, s)
+
+
+def curves_for(
+    fitted: CostModel,
+    measurements: Sequence[Measurement] = (),
+    *,
+    max_num_batched_tokens: int = 8192,
+) -> dict[str, Any]:
+    """The path cost model's curves (:class:`agentkv.router.paths.Curves`' fields) from a fit:
+    P's terms and the transfer from the router's turns, D's from the turns on D (D's prefill is
+    P's where D was not measured, the slowdown the published default); the CPU load is not
+    measured (the default)."""
+    side = fit_decode_side(
+        measurements, overhead_s=fitted.overhead_s, max_num_batched_tokens=max_num_batched_tokens
+    )
+    defaults = Curves()
+    curves = Curves(
+        overhead_s=fitted.overhead_s,
+        transfer_s_base=fitted.transfer_s_base,
+        transfer_s_per_token=fitted.transfer_s_per_block / fitted.block_size,
+        prefill_p_s_per_token=fitted.prefill_s_per_token,
+        prefill_p_s_per_token_ctx=fitted.prefill_s_per_token_ctx,
+        prefill_d_s_per_token=(
+            fitted.prefill_s_per_token
+            if side.prefill_s_per_token is None
+            else side.prefill_s_per_token
+        ),
+        prefill_d_s_per_token_ctx=(
+            fitted.prefill_s_per_token_ctx
+            if side.prefill_s_per_token_ctx is None
+            else side.prefill_s_per_token_ctx
+        ),
+        decode_s_per_token=fitted.decode_s_per_token,
+        decode_s_per_token_ctx=fitted.decode_s_per_token_ctx,
+        slowdown_s_per_prefill_token=(
+            defaults.slowdown_s_per_prefill_token
+            if side.slowdown_s_per_prefill_token is None
+            else side.slowdown_s_per_prefill_token
+        ),
+        cpu_load_s_per_token=defaults.cpu_load_s_per_token,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
+    return asdict(curves)
 
 
 # -- measuring ---------------------------------------------------------------------------------
@@ -345,6 +466,102 @@ def run_measure(endpoint: str, **kwargs: Any) -> list[Measurement]:
     return asyncio.run(measure(endpoint, **kwargs))
 
 
+async def _stream_arrivals(
+    http: httpx.AsyncClient, body: dict[str, Any], arrivals: list[float], tick: asyncio.Event
+) -> None:
+    async with http.stream("POST", "completions", json=body) as r:
+        if r.status_code != 200:
+            raise CalibrationError(f"D's completions answered {r.status_code}")
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                if any(c.get("text") or c.get("token_ids") for c in chunk.get("choices") or []):
+                    arrivals.append(time.perf_counter())
+                    tick.set()
+
+
+async def _until(done: Callable[[], bool], tick: asyncio.Event, task: asyncio.Task[None]) -> None:
+    """Wait until ``done()``, re-checking at each streamed token, or until the stream ends."""
+    while not done() and not task.done():
+        tick.clear()
+        waiter = asyncio.ensure_future(tick.wait())
+        await asyncio.wait({waiter, task}, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+
+
+async def _slowdown(c: _Client, n: int, stream_tokens: int) -> Measurement:
+    """One ``n``-token prefill on D while a stream runs there: the longest step of the stream
+    that starts during it, less the stream's median step before it."""
+    arrivals: list[float] = []
+    tick = asyncio.Event()
+    body = c.body(
+        c.prompt(16),
+        max_tokens=stream_tokens,
+        ignore_eos=True,
+        stream=True,
+        cache_salt=uuid.uuid4().hex,
+    )
+    task = asyncio.create_task(_stream_arrivals(c.http, body, arrivals, tick))
+    try:
+        await _until(lambda: len(arrivals) >= 8, tick, task)
+        if task.done():
+            await task
+            raise CalibrationError("D's stream ended before the prefill could start")
+        t0 = time.perf_counter()
+        await c.ttft(c.prompt(n), {}, cache_salt=uuid.uuid4().hex)
+        t1 = time.perf_counter()
+        await _until(lambda: arrivals[-1] > t1, tick, task)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+            await task
+    gaps = list(itertools.pairwise(arrivals))
+    before = [b - a for a, b in gaps if b <= t0]
+    during = [b - a for a, b in gaps if t0 <= a < t1]
+    if len(before) < 3 or not during:
+        raise CalibrationError(
+            f"no step of D's stream ran during a {n}-token prefill: use longer --decode-contexts"
+        )
+    return Measurement("slowdown", n, 0, max(0.0, max(during) - statistics.median(before)))
+
+
+async def measure_decode_side(
+    decode_url: str,
+    *,
+    contexts: Sequence[int] = (1024, 2048, 4096),
+    repeats: int = 3,
+    stream_tokens: int = 400,
+    model: str | None = None,
+    timing: Timing = "wall",
+    seed: int = 0,
+    on_step: Callable[[str], None] | None = None,
+) -> list[Measurement]:
+    """Run the turns on D itself (its engine URL, not the router's): prefill on D and the
+    slowdown it causes D's running streams, at each context length."""
+    base = decode_url.rstrip("/")
+    base = (base if base.endswith("/v1") else base + "/v1") + "/"
+    notify = on_step or (lambda _s: None)
+    async with httpx.AsyncClient(base_url=base, timeout=600, trust_env=False) as http:
+        if model is None:
+            r = await http.get("models")
+            if r.status_code == 200 and r.json().get("data"):
+                model = str(r.json()["data"][0]["id"])
+        c = _Client(http, model, timing, await _word_ids(http, model), random.Random(seed + 1))
+        out: list[Measurement] = []
+        for n in contexts:
+            for _ in range(repeats):
+                notify(f"prefill on D {n}")
+                seconds, _ = await c.ttft(c.prompt(n), {}, cache_salt=uuid.uuid4().hex)
+                out.append(Measurement("decode_prefill", n, 0, seconds))
+                notify(f"slowdown on D {n}")
+                out.append(await _slowdown(c, n, stream_tokens))
+        return out
+
+
+def run_measure_decode_side(decode_url: str, **kwargs: Any) -> list[Measurement]:
+    return asyncio.run(measure_decode_side(decode_url, **kwargs))
+
+
 def write_cost_file(
     path: Path, model: CostModel, measurements: Sequence[Measurement], **meta: Any
 ) -> None:
@@ -370,6 +587,10 @@ def predicted_s(fitted: CostModel, m: Measurement, block_size: int) -> float:
             + fitted.transfer_s(m.prompt_tokens - local)
             + fitted.decode_s(1, m.prompt_tokens)
         )
+    if m.kind == "decode_prefill":
+        return fitted.overhead_s + fitted.prefill_s(m.prompt_tokens, 0)
+    if m.kind == "slowdown":
+        return fitted.interference_s(m.prompt_tokens)
     return fitted.decode_s(1, m.prompt_tokens)
 
 
@@ -399,5 +620,6 @@ def describe(f: CostModel, block_size: int) -> str:
         f"pull {f.transfer_s_base * 1000:.2f} ms + "
         f"{f.transfer_s_per_block * 1e6:.2f} µs per {block_size}-token block; decode "
         f"{f.decode_s_per_token * 1000:.2f} ms/token + {f.decode_s_per_token_ctx * 1e9:.3f} ns per "
-        f"context token; overhead {f.overhead_s * 1000:.1f} ms"
+        f"context token; overhead {f.overhead_s * 1000:.1f} ms; D's steps "
+        f"+{f.decode_slowdown_s_per_prefill_token * 1e6:.2f} µs per prefill token in flight"
     )

@@ -27,18 +27,34 @@ def calibrate(
         str, typer.Option(help="wall (client clock) | model (the simulator's TTFT header).")
     ] = "wall",
     model: Annotated[str | None, typer.Option(help="Model name [the server's first].")] = None,
+    decode_url: Annotated[
+        str | None,
+        typer.Option(
+            help="A decode instance's own URL (not the router's): also measure prefill on D "
+            "and the slowdown it causes D's streams."
+        ),
+    ] = None,
+    decode_contexts: Annotated[
+        str, typer.Option(help="Prompt lengths prefilled on D, comma-separated.")
+    ] = "1024,2048,4096",
+    max_num_batched_tokens: Annotated[
+        int, typer.Option(help="D's vLLM max_num_batched_tokens (a step's largest chunk).")
+    ] = 8192,
 ) -> None:
     """Measure prefill time per token by context length, pull time per block and decode time
-    per token on a live deployment, and write a cost file for `agentkv sim --costs` and
-    `agentkv plan --costs`."""
+    per token on a live deployment (and, with --decode-url, prefill on D and D's slowdown per
+    prefill token in flight), and write a cost file for `agentkv sim --costs`, `agentkv plan
+    --costs` and the path cost model."""
     from pathlib import Path
 
     from agentkv.bench.calibrate import (
         CalibrationError,
+        curves_for,
         describe,
         fit_cost_model,
         fit_rows,
         run_measure,
+        run_measure_decode_side,
         write_cost_file,
     )
 
@@ -46,6 +62,7 @@ def calibrate(
         typer.echo("agentkv calibrate: --timing must be wall or model", err=True)
         raise typer.Exit(2)
     sizes = [int(x) for x in floats(contexts, "--contexts") or []]
+    d_sizes = [int(x) for x in floats(decode_contexts, "--decode-contexts") or []]
     try:
         measurements = run_measure(
             endpoint,
@@ -56,15 +73,38 @@ def calibrate(
             timing=timing,
             on_step=lambda s: typer.echo(f"  {s}", err=True),
         )
-        fitted = fit_cost_model(measurements, block_size, kv_bytes_per_token)
+        if decode_url is not None:
+            measurements += run_measure_decode_side(
+                decode_url,
+                contexts=d_sizes,
+                repeats=repeats,
+                model=model,
+                timing=timing,
+                on_step=lambda s: typer.echo(f"  {s}", err=True),
+            )
+        fitted = fit_cost_model(
+            measurements,
+            block_size,
+            kv_bytes_per_token,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
     except (CalibrationError, OSError) as exc:
         typer.echo(f"agentkv calibrate: {exc}", err=True)
         raise typer.Exit(1) from exc
     except Exception as exc:  # httpx errors: say where
-        typer.echo(f"agentkv calibrate: {endpoint}: {type(exc).__name__}: {exc}", err=True)
+        where = endpoint if decode_url is None else f"{endpoint} / {decode_url}"
+        typer.echo(f"agentkv calibrate: {where}: {type(exc).__name__}: {exc}", err=True)
         raise typer.Exit(1) from exc
+    curves = curves_for(fitted, measurements, max_num_batched_tokens=max_num_batched_tokens)
     write_cost_file(
-        Path(out), fitted, measurements, endpoint=endpoint, timing=timing, block_size=block_size
+        Path(out),
+        fitted,
+        measurements,
+        endpoint=endpoint,
+        decode_url=decode_url,
+        timing=timing,
+        block_size=block_size,
+        curves=curves,
     )
     print_rows(
         fit_rows(fitted, measurements, block_size),

@@ -46,6 +46,9 @@ SIM_FLAGS = {
     "seed": Flag("Base seed for generated text."),
     "tool_format": Flag("Tool-call parser, as vLLM's --tool-call-parser (none: no parsing)."),
     "reasoning_parser": Flag("Leave reasoning in the text (no vLLM --reasoning-parser)."),
+    "max_num_batched_tokens": Flag("Tokens per step: a prefill chunk's most (interference)."),
+    "cpu_offload_blocks": Flag("Blocks of the CPU tier (0: none)."),
+    "cpu_save_failure_rate": Flag("Share of CPU-tier block saves that fail (0-1)."),
     "prompt_scripts": Flag(
         "Script answers from the prompt: the JSON after 'agentkv_sim:' in the last user message "
         "(one script, or a list: one per answer)."

@@ -35,6 +35,9 @@ __all__ = [
     "HEADER_REQUEST_ID",
     "HEADER_REUSED_TOKENS",
     "HEADER_SESSION_ID",
+    "HEADER_SIM_CACHED_TOKENS",
+    "HEADER_SIM_COMPUTED_TOKENS",
+    "HEADER_SIM_CPU_TOKENS",
     "HEADER_SIM_ENGINE_ID",
     "HEADER_SIM_MODEL_TTFT_MS",
     "HEADER_SIM_WRONG_KV_TOKENS",
@@ -102,6 +105,14 @@ HEADER_SIM_ENGINE_ID: Final = "X-AgentKV-Sim-Engine-Id"
 """The simulator's engine id (vLLM's ``kv_transfer_config.engine_id``) on every answer, ``/health``
 included: a router learns which engine instance is behind a URL without waiting for a handle."""
 
+HEADER_SIM_CACHED_TOKENS: Final = "X-AgentKV-Sim-Cached-Tokens"
+"""Prompt tokens this instance found in its own GPU prefix cache (vLLM's local hit; on a request
+that reaches D directly, what ``usage.prompt_tokens_details.cached_tokens`` reports)."""
+HEADER_SIM_CPU_TOKENS: Final = "X-AgentKV-Sim-CPU-Tokens"
+"""Prompt tokens this instance loaded from its CPU tier (``--cpu-offload-blocks``)."""
+HEADER_SIM_COMPUTED_TOKENS: Final = "X-AgentKV-Sim-Computed-Tokens"
+"""Prompt tokens this instance prefilled itself."""
+
 # -- body fields ---------------------------------------------------------------------------------
 BODY_KV_TRANSFER_PARAMS: Final = "kv_transfer_params"
 BODY_PROMPT_TOKEN_IDS: Final = "prompt_token_ids"
@@ -158,6 +169,14 @@ class Metric:
     SIM_RETAINED_BLOCK_SECONDS: Final = "agentkv_sim_retained_block_seconds"
     SIM_KV_BLOCKS_USED: Final = "agentkv_sim_kv_blocks_used"
     SIM_KV_BLOCKS_TOTAL: Final = "agentkv_sim_kv_blocks_total"
+    SIM_PREFILL_TOKENS_IN_FLIGHT: Final = "agentkv_sim_prefill_tokens_in_flight"
+    SIM_DECODE_SLOWDOWN_SECONDS: Final = "agentkv_sim_decode_slowdown_seconds"
+    SIM_SLOWED_DECODE_STEPS: Final = "agentkv_sim_slowed_decode_steps"
+    SIM_CPU_BLOCKS: Final = "agentkv_sim_cpu_blocks"
+    SIM_CPU_SAVES: Final = "agentkv_sim_cpu_saves"
+    SIM_CPU_SAVE_FAILURES: Final = "agentkv_sim_cpu_save_failures"
+    SIM_CPU_EVICTIONS: Final = "agentkv_sim_cpu_evictions"
+    SIM_CPU_LOADED_TOKENS: Final = "agentkv_sim_cpu_loaded_tokens"
 
 
 class RouterMetric:

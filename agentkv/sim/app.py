@@ -35,6 +35,9 @@ from agentkv.chat.template import ChatTemplate, load_template
 from agentkv.chat.tokenizer import ChatTokenizer, load_tokenizer
 from agentkv.protocol import (
     HEADER_REQUEST_ID,
+    HEADER_SIM_CACHED_TOKENS,
+    HEADER_SIM_COMPUTED_TOKENS,
+    HEADER_SIM_CPU_TOKENS,
     HEADER_SIM_ENGINE_ID,
     HEADER_SIM_MODEL_TTFT_MS,
     HEADER_SIM_WRONG_KV_TOKENS,
@@ -242,6 +245,9 @@ async def _serve(
         HEADER_SIM_WRONG_KV_TOKENS: str(first.wrong_kv_tokens),
         HEADER_SIM_MODEL_TTFT_MS: f"{first.model_ttft_s * 1000:.3f}",
         HEADER_SIM_ENGINE_ID: state.config.engine_id,
+        HEADER_SIM_CACHED_TOKENS: str(first.local_hit_tokens),
+        HEADER_SIM_CPU_TOKENS: str(first.cpu_tokens),
+        HEADER_SIM_COMPUTED_TOKENS: str(first.computed_tokens),
     }
     if plan.stream:
         with_handle = state.config.compat != "0.32"  # 0.32 puts no handle on streams
@@ -573,6 +579,8 @@ def _state(state: SimState) -> Handler:
                 "blocks_used": engine.pool.num_used,
                 "blocks_total": engine.pool.num_usable,
                 "blocks_cached": engine.pool.num_cached,
+                "cpu_blocks": None if engine.cpu is None else len(engine.cpu),
+                "prefill_tokens_in_flight": engine.prefill_tokens_in_flight,
                 "retained": retained,
                 "now": now,
                 "last_trace_context": state.trace_context,

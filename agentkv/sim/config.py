@@ -70,6 +70,17 @@ class SimConfig(BaseModel):
     field, such as Claude Code (:func:`agentkv.sim.serving.prompt_script`)."""
     max_output_tokens_default: int = Field(48, ge=1)
     """Upper bound of a generated answer's natural length when the request sets no limit."""
+    max_num_batched_tokens: int = Field(8192, ge=1)
+    """vLLM's per-step token budget: a prefill shares each step with the running decodes in
+    chunks of at most this many tokens (8,192: vLLM 0.33's OpenAI-server default on an H100/H200),
+    so that is the most prefill tokens that slow one decode step."""
+    cpu_offload_blocks: int = Field(0, ge=0)
+    """Blocks of this instance's CPU tier (vLLM's ``OffloadingConnector``, ``cpu_bytes_to_use`` /
+    bytes per block); 0: no tier. Computed full blocks are saved there (best effort, LRU), and a
+    request loads the blocks that follow its GPU prefix-cache hit from it."""
+    cpu_save_failure_rate: float = Field(0.0, ge=0.0, le=1.0)
+    """Share of block saves to the CPU tier that fail (are skipped), as vLLM's best-effort
+    ``prepare_store`` does when it cannot evict."""
     kv_events_config: KVEventsConfig | None = None
     """vLLM's ``--kv-events-config``: publish BlockStored / BlockRemoved / AllBlocksCleared over
     ZMQ as vLLM 0.33 does (:mod:`agentkv.sim.kv_events`); off when unset or not enabled."""

@@ -51,6 +51,14 @@ too (28.9 ms at 2k, 130.3 ms at 24k). Decode speeds are not in the post: ``decod
 (15 ms for Qwen3-32B, 28 ms for GLM-5) is an assumption that only shifts ``overhead_s``, and
 ``decode_s_per_token_ctx`` (5e-8 s per token of context) is sized from the KV bytes a decode
 step reads.
+
+Two more terms are not in the post either (docs/paths.md):
+
+* ``decode_slowdown_s_per_prefill_token``: a decode step that shares the GPU with a prefill chunk
+  of ``k`` tokens (vLLM's chunked prefill, ``max_num_batched_tokens`` per step) is longer by about
+  the chunk's compute; the presets set it to ``prefill_s_per_token``.
+* ``cpu_load_s_per_token``: loading offloaded KV back from CPU memory, ``kv_bytes_per_token`` at
+  50 GB/s (a PCIe Gen5 x16 host-to-device copy).
 """
 
 from __future__ import annotations
@@ -106,6 +114,22 @@ class CostModel(BaseModel):
     """Per generated token, per token of context it attends over."""
     kv_bytes_per_token: int = Field(default=0, ge=0)
     """KV-cache bytes one token takes (all layers); only sizes what transfers report."""
+    decode_slowdown_s_per_prefill_token: float = Field(default=0.0, ge=0.0)
+    """Added to each decode step of the instance's running requests per prompt token being
+    prefilled in the same step (a chunk of at most ``max_num_batched_tokens``): the interference
+    of a prefill on the instance's streams."""
+    cpu_load_s_per_token: float = Field(default=0.0, ge=0.0)
+    """Per token loaded from the instance's CPU tier (host to device copy)."""
+
+    def interference_s(self, prefill_tokens_in_flight: int) -> float:
+        """What one decode step gains while ``prefill_tokens_in_flight`` prompt tokens share it."""
+        _check_counts(prefill_tokens_in_flight=prefill_tokens_in_flight)
+        return self.decode_slowdown_s_per_prefill_token * prefill_tokens_in_flight
+
+    def cpu_load_s(self, tokens: int) -> float:
+        """Time to load the KV of ``tokens`` tokens from the CPU tier."""
+        _check_counts(tokens=tokens)
+        return self.cpu_load_s_per_token * tokens
 
     def prefill_s(self, new_tokens: int, context_tokens: int) -> float:
         """Time to compute ``new_tokens`` prompt tokens after ``context_tokens`` cached ones."""
@@ -209,6 +233,8 @@ PRESETS: dict[str, CostModel] = {
         decode_s_per_token=0.01,
         decode_s_per_token_ctx=1e-8,
         kv_bytes_per_token=114_688,  # a Qwen3-0.6B: 28 layers x 8 KV heads x 128 x K,V x bf16
+        decode_slowdown_s_per_prefill_token=5e-5,
+        cpu_load_s_per_token=2.3e-6,  # 114,688 B at 50 GB/s
     ),
     "qwen3-32b-p5en": CostModel(
         overhead_s=0.061,
@@ -219,6 +245,8 @@ PRESETS: dict[str, CostModel] = {
         decode_s_per_token=0.015,
         decode_s_per_token_ctx=5e-8,
         kv_bytes_per_token=262_144,  # 64 layers x 8 KV heads x 128 x K,V x bf16
+        decode_slowdown_s_per_prefill_token=2.2e-5,
+        cpu_load_s_per_token=5.2e-6,  # 262,144 B at 50 GB/s
     ),
     "glm-5-fp8-p5en": CostModel(
         overhead_s=0.255,
@@ -229,6 +257,8 @@ PRESETS: dict[str, CostModel] = {
         decode_s_per_token=0.028,
         decode_s_per_token_ctx=5e-8,
         kv_bytes_per_token=89_856,  # MLA: 78 layers x (512 + 64) latent x bf16, no DSA indexer
+        decode_slowdown_s_per_prefill_token=9.2e-5,
+        cpu_load_s_per_token=1.8e-6,  # 89,856 B at 50 GB/s
     ),
 }
 

@@ -50,6 +50,7 @@ from agentkv.sim.blocks import (
 from agentkv.sim.clock import Clock
 from agentkv.sim.config import SimConfig
 from agentkv.sim.costmodel import CostModel
+from agentkv.sim.cpu_tier import CpuTier
 from agentkv.sim.kv_events import ZmqEventPublisher, int_block_hashes
 from agentkv.sim.metrics import SimMetrics
 from agentkv.sim.transfer import TransferClient, TransferError
@@ -105,10 +106,14 @@ class Scheduled:
     model_ttft_s: float
     decision: str
     """``none`` | ``pull`` | ``notify`` | ``threshold`` | ``expired`` | ``failed``."""
+    cpu_tokens: int = 0
+    """Loaded from this instance's CPU tier (after the GPU hit)."""
 
     @property
     def cached_tokens(self) -> int:
-        return self.local_hit_tokens + self.external_tokens
+        """vLLM's ``num_cached_tokens``: local hit + external (a connector's: NIXL or the CPU
+        tier)."""
+        return self.local_hit_tokens + self.external_tokens + self.cpu_tokens
 
 
 @dataclass
@@ -167,6 +172,17 @@ class Engine:
             int_block_hashes=int_block_hashes(),
         )
         self.retained: dict[str, _Retained] = {}
+        self.cpu: CpuTier | None = None
+        if config.cpu_offload_blocks:
+            self.cpu = CpuTier(
+                config.cpu_offload_blocks,
+                failure_rate=config.cpu_save_failure_rate,
+                seed=config.seed,
+            )
+        self._prefill_in_flight = 0
+        self._prefill_started = 0
+        """Prompt tokens of every prefill started so far (a step also pays for a prefill that
+        started and ended within the step before it: vLLM would have scheduled it in this one)."""
         self._clock_offsets: dict[str, float] = {}
         self._blocks_freed = asyncio.Condition()
         self._shutdown = asyncio.Event()
@@ -311,6 +327,7 @@ class Engine:
         bs = self.config.block_size
         limit = req.max_tokens if req.max_tokens is not None else self.config.max_model_len - n
         out: list[int] = []
+        seen = self._prefill_started
         try:
             yield scheduled
             finish = "length"
@@ -318,7 +335,9 @@ class Engine:
                 if len(out) >= limit:
                     break
                 if out:
-                    await self.clock.sleep(self.cost.decode_s(1, n + len(out)))
+                    extra = self._slowdown(self._prefill_started - seen)
+                    seen = self._prefill_started
+                    await self.clock.sleep(self.cost.decode_s(1, n + len(out)) + extra)
                 # This step computes the previous token's KV: it may need a new block.
                 if n + len(out) > len(state.blocks) * bs:
                     state.blocks.extend(await self._allocate(1))
@@ -390,10 +409,19 @@ class Engine:
                 decision = "none"
             kvt.mark_processed(params)
 
+        # D's CPU tier (vLLM's OffloadingConnector): the blocks after the GPU hit, when no
+        # NIXL read is asked for.
+        from_cpu: list[KVContent] = []
+        if self.cpu is not None and not (pull_from_prefill or pull_from_decode):
+            from_cpu = self.cpu.lookup(hashes[len(hit) : (n - 1) // bs])
+
         # Allocate the rest of the prompt's blocks (waiting for blocks like vLLM's queue).
         need = math.ceil(n / bs) - len(hit)
         new_blocks = await self._allocate(need)
         state.blocks.extend(new_blocks)
+        for block, content in zip(new_blocks, from_cpu, strict=False):
+            block.content = content
+        cpu_tokens = len(from_cpu) * bs
 
         external = 0
         # A P/D turn pays the fixed overhead once, on P (the cost model's ``ttft_s``).
@@ -408,14 +436,17 @@ class Engine:
                 self.metrics.external_hits.inc(external)
 
         # Compute the rest locally and fill in what every block holds.
-        self._fill_local(prompt, state.blocks, local + external, req.cache_salt)
+        cached = local + external + cpu_tokens
+        self._fill_local(prompt, state.blocks, cached, req.cache_salt)
         self.pool.cache_full_blocks(state.blocks, hashes, prompt, req.cache_salt)
         self.publish_events()
-        computed = n - local - external
-        model_s += self.cost.prefill_s(computed, local + external)
+        self._save_to_cpu(hashes, state.blocks)
+        computed = n - cached
+        model_s += self.cost.cpu_load_s(cpu_tokens)
+        compute_s = self.cost.prefill_s(computed, cached)
         if pull_from_prefill:
             # D recomputes the last prompt token (``_update_waiting_for_remote_kv``).
-            model_s += self.cost.decode_s(1, n)
+            compute_s += self.cost.decode_s(1, n)
 
         wrong = count_wrong_tokens(prompt, [b.content for b in state.blocks], bs, n, req.cache_salt)
         if wrong:
@@ -424,16 +455,58 @@ class Engine:
 
         self.metrics.prompt_tokens.inc(n)
         self.metrics.by_source["local_cache_hit"].inc(local)
-        self.metrics.by_source["external_kv_transfer"].inc(external)
+        self.metrics.by_source["external_kv_transfer"].inc(external + cpu_tokens)
         self.metrics.by_source["local_compute"].inc(computed)
-        self.metrics.prompt_tokens_cached.inc(local + external)
+        self.metrics.prompt_tokens_cached.inc(cached)
         self.metrics.cached_device.inc(local)
         self.metrics.cached_p2p.inc(external)
+        self.metrics.cached_host.inc(cpu_tokens)
+        if cpu_tokens:
+            self.metrics.external_hits.inc(cpu_tokens)
+            self.metrics.cpu_loaded_tokens.inc(cpu_tokens)
         self.metrics.prefill_kv_computed.observe(computed)
-        self.metrics.ttft.observe(model_s * self.clock.scale)
+        self.metrics.ttft.observe((model_s + compute_s) * self.clock.scale)
         self._update_gauges()
-        await self.clock.sleep(model_s)
-        return Scheduled(n, local, external, computed, wrong, model_s, decision)
+        await self.clock.sleep(model_s)  # overhead, reads, CPU loads
+        # The prefill itself shares D's steps with the running decodes, a chunk of at most
+        # ``max_num_batched_tokens`` at a time: each step of theirs is that much longer.
+        in_flight = min(computed, self.config.max_num_batched_tokens)
+        self._prefill_in_flight += in_flight
+        self._prefill_started += in_flight
+        self.metrics.prefill_in_flight.set(self._prefill_in_flight)
+        try:
+            await self.clock.sleep(compute_s)
+        finally:
+            self._prefill_in_flight -= in_flight
+            self.metrics.prefill_in_flight.set(self._prefill_in_flight)
+        return Scheduled(
+            n, local, external, computed, wrong, model_s + compute_s, decision, cpu_tokens
+        )
+
+    @property
+    def prefill_tokens_in_flight(self) -> int:
+        return self._prefill_in_flight
+
+    def _slowdown(self, started: int) -> float:
+        """What one decode step gains from the prefills it shares the engine with: those in
+        flight, or the ``started`` tokens of prefills begun since the step before (at most one
+        step's budget)."""
+        tokens = min(max(self._prefill_in_flight, started), self.config.max_num_batched_tokens)
+        extra = self.cost.interference_s(tokens)
+        if extra:
+            self.metrics.decode_slowdown.inc(extra * self.clock.scale)
+            self.metrics.slowed_steps.inc()
+        return extra
+
+    def _save_to_cpu(self, hashes: Sequence[bytes], blocks: Sequence[Block]) -> None:
+        """Offer a sequence's full blocks to the CPU tier (best effort)."""
+        if self.cpu is None:
+            return
+        result = self.cpu.save(hashes, [b.content for b in blocks[: len(hashes)]])
+        self.metrics.cpu_saves.inc(result.saved)
+        self.metrics.cpu_save_failures.inc(result.failed)
+        self.metrics.cpu_evictions.inc(result.evicted)
+        self.metrics.cpu_blocks.set(len(self.cpu))
 
     async def _allocate(self, n: int) -> list[Block]:
         while True:
@@ -564,6 +637,7 @@ class Engine:
         hashes = block_hashes(seq[:computed], bs, cache_salt=req.cache_salt)
         self.pool.cache_full_blocks(state.blocks, hashes, seq[:computed], req.cache_salt)
         self.publish_events()
+        self._save_to_cpu(hashes, state.blocks)
         self.metrics.success[finish].inc()
 
         handle: dict[str, Any] | None = None

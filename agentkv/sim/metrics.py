@@ -133,6 +133,24 @@ class SimMetrics:
     )
     blocks_used = _gauge(M.SIM_KV_BLOCKS_USED, "KV blocks referenced.")
     blocks_total = _gauge(M.SIM_KV_BLOCKS_TOTAL, "Usable KV blocks.")
+    prefill_in_flight = _gauge(
+        M.SIM_PREFILL_TOKENS_IN_FLIGHT,
+        "Prompt tokens being prefilled now (each slows the running decode steps).",
+    )
+    decode_slowdown = _counter(
+        M.SIM_DECODE_SLOWDOWN_SECONDS,
+        "Seconds added to decode steps by prefills sharing them (simulated, scaled).",
+    )
+    slowed_steps = _counter(
+        M.SIM_SLOWED_DECODE_STEPS, "Decode steps that shared the instance with a prefill."
+    )
+    cpu_blocks = _gauge(M.SIM_CPU_BLOCKS, "Blocks held by the CPU tier.")
+    cpu_saves = _counter(M.SIM_CPU_SAVES, "Blocks saved to the CPU tier.")
+    cpu_save_failures = _counter(
+        M.SIM_CPU_SAVE_FAILURES, "Block saves to the CPU tier that failed (best effort)."
+    )
+    cpu_evictions = _counter(M.SIM_CPU_EVICTIONS, "Blocks evicted from the CPU tier (LRU).")
+    cpu_loaded_tokens = _counter(M.SIM_CPU_LOADED_TOKENS, "Prompt tokens loaded from the CPU tier.")
 
     def __init__(self, model_name: str, engine: str = "0") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -141,6 +159,7 @@ class SimMetrics:
         self.by_source = {s: self._by_source.labels(*labels, s) for s in _SOURCES}
         self.cached_device = self._cached_by_source.labels(*labels, "device")
         self.cached_p2p = self._cached_by_source.labels(*labels, "p2p")
+        self.cached_host = self._cached_by_source.labels(*labels, "host")
         self.success = {
             reason: self._success.labels(*labels, reason)
             for reason in ("stop", "length", "abort", "error")

@@ -11,8 +11,10 @@ from typer.testing import CliRunner
 from agentkv.bench.calibrate import Measurement, fit_cost_model, nnls
 from agentkv.bench.deploy import Stack
 from agentkv.cli import app
+from agentkv.router.paths import curves_from
 from agentkv.sim import SimConfig, create_app
 from agentkv.sim.costmodel import PRESETS, load_cost_file
+from agentkv.sim.launch import start_sims
 
 
 def test_nnls_recovers_and_clips():
@@ -39,6 +41,7 @@ def _synthetic(truth, bs=16):
         )
         out.append(Measurement("pull", n, r, seconds))
         out.append(Measurement("decode", n + 12, 0, truth.decode_s(1, n + 12)))
+        out.append(Measurement("slowdown", n, 0, truth.interference_s(n)))
     return out
 
 
@@ -47,6 +50,8 @@ def test_fit_recovers_a_preset_exactly(preset):
     truth = PRESETS[preset]
     fit = fit_cost_model(_synthetic(truth), 16, truth.kv_bytes_per_token)
     for name, value in truth.model_dump().items():
+        if name == "cpu_load_s_per_token":  # not measured
+            continue
         assert getattr(fit, name) == pytest.approx(value, rel=1e-6, abs=1e-12), name
 
 
@@ -98,6 +103,36 @@ def test_calibrate_on_the_wall_clock_runs(stack: Stack, tmp_path: Path):
     r = CliRunner().invoke(app, args, terminal_width=200)
     assert r.exit_code == 0, r.output
     assert load_cost_file(out).overhead_s >= 0
+
+
+@pytest.mark.e2e
+def test_calibrate_measures_prefill_on_d_and_its_slowdown(stack: Stack, tmp_path: Path) -> None:
+    """With --decode-url (a D simulator at full speed, laptop costs): prefill on D from its
+    modelled TTFT, and the slowdown of D's stream on the wall clock; the cost file's curves are
+    what the path cost model reads."""
+    (d,) = start_sims([["--role", "decode", "--preset", "laptop", "--time-scale", "1"]])
+    try:
+        out = tmp_path / "costs.json"
+        args = ["calibrate", "--endpoint", stack.base_url, "--out", str(out), "--timing", "model"]
+        args += ["--contexts", "256,512,1024,2048", "--repeats", "1", "--decode-tokens", "8"]
+        args += ["--decode-url", d.url, "--decode-contexts", "1024,2048,4096"]
+        r = CliRunner().invoke(app, args, terminal_width=200)
+    finally:
+        d.stop()
+    assert r.exit_code == 0, r.output
+    data = json.loads(out.read_text())
+    kinds = {m["kind"] for m in data["measurements"]}
+    assert {"decode_prefill", "slowdown"} <= kinds
+    truth = PRESETS["laptop"]
+    curves = curves_from(data)
+    assert curves.prefill_d_s_per_token == pytest.approx(truth.prefill_s_per_token, rel=0.05)
+    assert curves.slowdown_s_per_prefill_token == pytest.approx(
+        truth.decode_slowdown_s_per_prefill_token, rel=0.35
+    )
+    assert curves.transfer_s_per_token == pytest.approx(truth.transfer_s_per_block / 16, rel=0.05)
+    assert curves.prefill_p_s_per_token == pytest.approx(truth.prefill_s_per_token, rel=0.05)
+    fitted = load_cost_file(out)
+    assert fitted.decode_slowdown_s_per_prefill_token == curves.slowdown_s_per_prefill_token
 
 
 def test_calibrate_names_an_unreachable_endpoint(tmp_path: Path):

@@ -53,3 +53,13 @@ def test_router_overhead_runs() -> None:
     assert "| 8k | 2 |" in out
     assert "| prompt | c | router chat | Messages | Responses |" in out
     assert "| agentkv router (exact ids) |" in out  # the memory table
+
+
+def test_decode_paths_runs() -> None:
+    """Every path at a 4k history, 128 and 2k new tokens; the cost model's picks and crossover."""
+    out = _run("decode_paths.py", timeout=600)
+    assert "| new tokens | path | TTFT (model) |" in out
+    for path in ("decode", "local", "pull", "recompute", "cpu"):
+        assert f"| 128 | {path} |" in out
+    assert "| 128 | D's GPU holds it | decode " in out
+    assert "Crossover:" in out

@@ -1,0 +1,90 @@
+"""D's CPU tier: the KV that vLLM's ``OffloadingConnector`` copies to host memory.
+
+Shaped like vLLM 0.33's ``CPUOffloadingManager`` (``v1/kv_offload/cpu/manager.py``) with its
+default ``lru`` policy, one block per chunk:
+
+* blocks are keyed by the same chained hash as the GPU prefix cache, so a lookup is a prefix
+  match that continues where the GPU hit stops;
+* a save offers a sequence's full blocks; a block already held is only touched (moved to the
+  most-recent end); a new one evicts the least recently used when the tier is full;
+* a save is best effort: in vLLM ``prepare_store`` returns ``None`` and the scheduler skips the
+  store when it cannot evict; here each new block's save fails with ``failure_rate`` (seeded),
+  and a failed block is simply not in the tier;
+* a load touches the blocks it reads.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from agentkv.sim.blocks import KVContent
+
+__all__ = ["CpuTier", "SaveResult"]
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    saved: int
+    """Blocks newly stored."""
+    failed: int
+    """Blocks whose save failed (not stored)."""
+    evicted: int
+    """Blocks evicted to make room."""
+
+
+class CpuTier:
+    """``capacity`` blocks of offloaded KV, least recently used evicted first."""
+
+    def __init__(self, capacity: int, *, failure_rate: float = 0.0, seed: int = 0) -> None:
+        if capacity < 1:
+            raise ValueError("a CPU tier holds at least one block")
+        if not 0.0 <= failure_rate <= 1.0:
+            raise ValueError("failure_rate must be within [0, 1]")
+        self.capacity = capacity
+        self.failure_rate = failure_rate
+        self._rng = random.Random(seed)
+        self._blocks: OrderedDict[bytes, KVContent] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self._blocks
+
+    def lookup(self, hashes: Sequence[bytes]) -> list[KVContent]:
+        """The contents of the longest run of ``hashes`` (from the first) the tier holds; the
+        blocks found become the most recently used."""
+        found: list[KVContent] = []
+        for h in hashes:
+            content = self._blocks.get(h)
+            if content is None:
+                break
+            self._blocks.move_to_end(h)
+            found.append(content)
+        return found
+
+    def save(self, hashes: Sequence[bytes], contents: Sequence[KVContent | None]) -> SaveResult:
+        """Offer full blocks ``hashes[i]`` holding ``contents[i]`` (a block without content, or
+        whose content is not full, is skipped)."""
+        saved = failed = evicted = 0
+        for h, content in zip(hashes, contents, strict=False):
+            if content is None:
+                continue
+            if h in self._blocks:
+                self._blocks.move_to_end(h)
+                continue
+            if self.failure_rate and self._rng.random() < self.failure_rate:
+                failed += 1
+                continue
+            if len(self._blocks) >= self.capacity:
+                self._blocks.popitem(last=False)
+                evicted += 1
+            self._blocks[h] = content
+            saved += 1
+        return SaveResult(saved, failed, evicted)
+
+    def clear(self) -> None:
+        self._blocks.clear()
