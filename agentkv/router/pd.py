@@ -1,30 +1,11 @@
-"""One turn through P and D: the driver of :mod:`~agentkv.router.turn`'s sans-IO core.
+"""One turn through P and D: :class:`Router` performs what the turn core decides.
 
-The turn core decides (which handle, which P and D, when a handle is spent, retries, the
-receipt) and yields actions; :class:`Router` performs them: HTTP to the engines, the handle
-store, leases, token identity, metrics, logs and traces, and hands each outcome back.
-
-1. **Prompt ids**: the client's exact ids; the conversation's previous prompt + generated ids +
-   the new messages' ids when its history repeats the answer as returned
-   (:mod:`~agentkv.router.identity`); else P's ``/tokenize`` of the same messages. Both P and D
-   then get these ids, so all agree.
-2. **Handle**: the conversation keeps up to K handles (branches); each is verified against the
-   prompt by chained block hashes from a root of model + salt, whatever its epoch
-   (:func:`~agentkv.router.verify.plan_reuse`). The one with the longest verified prefix C is
-   taken (single use) and attached trimmed to C; a handle the client rewrote past is released
-   (``remote_num_tokens: 0``).
-3. **P**: the P with the longest local prefix L (its KV events; ties: affinity and load). P reads
-   M = max(0, min(C, N) − L) tokens from D, when M clears the threshold. A request that reads a
-   handle has a deadline and is retried without it when it passes (real vLLM never answers a
-   read of an expired handle); a 500 with a handle is retried once without it; failures move to
-   another P. The handle is spent only when a P accepts the request: a rejection or a failure
-   before that puts it back.
-4. **D**: the client's request with P's params and the ids, streamed as the client asked; a D
-   failing before its first byte (or not sending it within the deadline) is retried on another
-   D after a fresh P pass. A stream is read to the end even when the client leaves.
-5. **Remember** D's handle with the hashes of the blocks it holds, keyed by (tenant,
-   conversation id); handles it displaces, and those of turns without a conversation id, are
-   released at once so D does not pin their blocks until its TTL.
+The decisions of a turn (which handle, which P and D, when a handle is spent, retries, the
+receipt) are :mod:`agentkv.router.turn`'s, a sans-IO generator of actions; the router performs
+each action (HTTP to the engines, the handle store, leases, token identity, metrics, logs,
+traces) and sends its outcome back. The router also releases handles (a notify-only P request)
+for the core, the leases and the retention policy, and drops the handles of a D that was
+ejected or restarted.
 """
 
 from __future__ import annotations
@@ -32,9 +13,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import orjson
 from opentelemetry import trace
@@ -51,6 +32,7 @@ from agentkv.router.identity import Identity, MemoryLedger
 from agentkv.router.leases import Leases, MemoryLeases
 from agentkv.router.logs import safe
 from agentkv.router.metrics import RouterMetrics
+from agentkv.router.prompts import Tokenizer
 from agentkv.router.receipt import Receipt, account, sim_receipt
 from agentkv.router.relay import Relay, StreamOutcome
 from agentkv.router.request import ClientRequest, RouterError
@@ -58,22 +40,20 @@ from agentkv.router.retention import Retention
 from agentkv.router.sse import Captured, clean_response, synthesize_stream
 from agentkv.router.store import StoredHandle
 from agentkv.router.tracing import trace_headers
-from agentkv.router.upstream import EnginePool, Upstream, pick_decode, pick_prefill
+from agentkv.router.upstream import (
+    EnginePool,
+    LocalPrefix,
+    Upstream,
+    pick_decode,
+    pick_prefill,
+    pick_prefill_by_prefix,
+)
 
 __all__ = ["LocalPrefix", "Receipt", "Router", "UpstreamError"]
 
 log = logging.getLogger("agentkv.router")
 _tracer = trace.get_tracer("agentkv.router")
 T = TypeVar("T")
-
-
-class LocalPrefix(Protocol):
-    """What P holds in its own prefix cache (an index fed by P's KV events; None: unknown, the
-    index is not in sync with P)."""
-
-    def local_prefix_tokens(
-        self, prompt_ids: Sequence[int], cache_salt: str | None
-    ) -> int | None: ...
 
 
 @dataclass
@@ -99,11 +79,6 @@ async def _drive(
         answer = await perform(action)
 
 
-def _cap_local(local: int, n: int, block_size: int) -> int:
-    """vLLM's prefix-cache hit never covers the last prompt token (at most (n-1)//bs blocks)."""
-    return min(local, (n - 1) // block_size * block_size) if n > 0 else 0
-
-
 class Router:
     """The P/D orchestration of one router process."""
 
@@ -119,6 +94,7 @@ class Router:
         identity: Identity | None = None,
     ) -> None:
         self.config, self.pool, self.store, self.metrics = config, pool, store, metrics
+        self.tokenizer = Tokenizer(config, pool, metrics)
         self.identity = identity or Identity(
             MemoryLedger(
                 max_tokens=config.identity_max_tokens,
@@ -218,92 +194,14 @@ class Router:
             await self.release(handle, "closed")
         return bool(handles)
 
-    # -- 1. prompt ids -----------------------------------------------------------------------
+    # -- prompt ids ---------------------------------------------------------------------------
     async def prompt_ids(self, req: ClientRequest) -> list[int]:
-        if req.prompt_ids is not None:
-            return req.prompt_ids
-        body: dict[str, Any]
-        if req.chat:
-            keys = (
-                "messages",
-                "tools",
-                "chat_template",
-                "chat_template_kwargs",
-                "add_generation_prompt",
-                "continue_final_message",
-                "add_special_tokens",
-                "model",
-            )
-            body = {k: req.body[k] for k in keys if k in req.body}
-        else:
-            body = {
-                k: req.body[k] for k in ("prompt", "add_special_tokens", "model") if k in req.body
-            }
-            if isinstance(body.get("prompt"), list):
-                body["prompt"] = body["prompt"][0]
-        return [int(t) for t in (await self.ask_tokenizer("/tokenize", body))["tokens"]]
+        return await self.tokenizer.prompt_ids(req)
 
     async def ask_tokenizer(self, path: str, body: dict[str, Any]) -> Any:
-        """The JSON answer of a tokenizing instance (``tokenize_with``) to ``POST path``, tried
-        on ``retries`` more when one fails; its 4xx is the client's error."""
-        engines = self.pool.prefill if self.config.tokenize_with == "prefill" else self.pool.decode
-        candidates = [e for e in engines if e.healthy] or list(engines)
-        last: Exception | None = None
-        tries = [candidates[i % len(candidates)] for i in range(self.config.retries + 1)]
-        data = orjson.dumps(body)
-        for engine in tries:
-            try:
-                r = await engine.client.post(path, data)
-            except TransportError as exc:
-                engine.failed(self.config.eject_after_failures)
-                self.metrics.upstream_errors.labels("prefill", "tokenize").inc()
-                last = exc
-                continue
-            if r.status_code == 200:
-                return r.json()
-            if r.status_code < 500:
-                raise UpstreamError(r.status_code, r.content)
-            last = RuntimeError(f"{path} answered {r.status_code}")
-        log.warning("could not tokenize a prompt: %s", safe(repr(last)))
-        raise RouterError(503, "Could not tokenize the prompt: no prefill instance answered.")
+        return await self.tokenizer.ask(path, body)
 
     # -- 3. prefill --------------------------------------------------------------------------
-    def _choose_prefill(
-        self, req: ClientRequest, ids: Sequence[int], need_bidirectional: bool
-    ) -> core.PrefillChoice | None:
-        """(P, L): with KV events, the P with the longest local prefix (ties: the affinity P,
-        else configuration order)."""
-        preferred = pick_prefill(
-            self.pool.prefill,
-            req.conversation_id,
-            cap_tokens=self.config.affinity_max_outstanding_tokens,
-            need_bidirectional=need_bidirectional,
-        )
-        if preferred is None:
-            return None
-        if preferred.url not in self.local_prefix:
-            return core.PrefillChoice(preferred.url, None)
-        bs = self.config.block_size
-
-        def local(e: Upstream) -> int | None:
-            held = self.local_prefix[e.url].local_prefix_tokens(ids, req.cache_salt)
-            return None if held is None else _cap_local(held, len(ids), bs)
-
-        best, best_local = preferred, local(preferred)
-        able = [
-            e
-            for e in self.pool.prefill
-            if e.healthy
-            and e.url in self.local_prefix
-            and (e.backend.bidirectional or not need_bidirectional)
-            and e.outstanding_tokens <= self.config.affinity_max_outstanding_tokens
-        ]
-        for e in able:
-            n = local(e)
-            if n is not None and n > (best_local or 0):
-                best, best_local = e, n
-        return core.PrefillChoice(best.url, best_local)
-
     async def _prefill(self, req: ClientRequest, action: core.Prefill) -> Any:
         """P's request; what came of it, for the turn core."""
         cfg = self.config
@@ -443,7 +341,17 @@ class Router:
         if isinstance(action, core.Renew):
             return await self.retention.renew(action.key, action.seconds)
         if isinstance(action, core.PickPrefill):
-            return self._choose_prefill(req, action.prompt, action.bidirectional)
+            engine, local = pick_prefill_by_prefix(
+                self.pool.prefill,
+                self.local_prefix,
+                req.conversation_id,
+                action.prompt,
+                req.cache_salt,
+                block_size=self.config.block_size,
+                cap_tokens=self.config.affinity_max_outstanding_tokens,
+                need_bidirectional=action.bidirectional,
+            )
+            return None if engine is None else core.PrefillChoice(engine.url, local)
         if isinstance(action, core.Prefill):
             return await self._prefill(req, action)
         assert isinstance(action, core.Decode)
