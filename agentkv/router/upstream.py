@@ -14,8 +14,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import httpx
 
@@ -24,7 +25,14 @@ from agentkv.router.config import Backend, RouterConfig
 from agentkv.router.http import AiohttpClient, EngineClient, HttpxClient, Pool, TransportError
 from agentkv.router.tasks import cancel_and_wait
 
-__all__ = ["EnginePool", "Upstream", "pick_decode", "pick_prefill"]
+__all__ = [
+    "EnginePool",
+    "LocalPrefix",
+    "Upstream",
+    "pick_decode",
+    "pick_prefill",
+    "pick_prefill_by_prefix",
+]
 
 log = logging.getLogger("agentkv.router")
 
@@ -124,6 +132,59 @@ def pick_prefill(
         return least
     preferred = max(pool, key=lambda e: _score(key, e.url))
     return preferred if preferred.outstanding_tokens <= cap_tokens else least
+
+
+class LocalPrefix(Protocol):
+    """What P holds in its own prefix cache (an index fed by P's KV events; None: unknown, the
+    index is not in sync with P)."""
+
+    def local_prefix_tokens(
+        self, prompt_ids: Sequence[int], cache_salt: str | None
+    ) -> int | None: ...
+
+
+def pick_prefill_by_prefix(
+    engines: Sequence[Upstream],
+    indexes: Mapping[str, LocalPrefix],
+    key: str | None,
+    ids: Sequence[int],
+    cache_salt: str | None,
+    *,
+    block_size: int,
+    cap_tokens: int,
+    need_bidirectional: bool,
+) -> tuple[Upstream | None, int | None]:
+    """(P, L): :func:`pick_prefill`'s P, or with KV events (``indexes``: P url -> its prefix
+    index) the P with the longest local prefix L (ties: that P, else configuration order)."""
+    preferred = pick_prefill(
+        engines, key, cap_tokens=cap_tokens, need_bidirectional=need_bidirectional
+    )
+    if preferred is None or preferred.url not in indexes:
+        return preferred, None
+
+    def local(e: Upstream) -> int | None:
+        held = indexes[e.url].local_prefix_tokens(ids, cache_salt)
+        return None if held is None else _cap_local(held, len(ids), block_size)
+
+    best, best_local = preferred, local(preferred)
+    able = [
+        e
+        for e in engines
+        if e.healthy
+        and e.url in indexes
+        and (e.backend.bidirectional or not need_bidirectional)
+        and e.outstanding_tokens <= cap_tokens
+    ]
+    for e in able:
+        n = local(e)
+        if n is not None and n > (best_local or 0):
+            best, best_local = e, n
+    return best, best_local
+
+
+def _cap_local(local: int, n: int, block_size: int) -> int:
+    """vLLM's prefix-cache hit never covers the last prompt token (at most (n-1)//bs blocks)."""
+    return min(local, (n - 1) // block_size * block_size) if n > 0 else 0
 
 
 def pick_decode(

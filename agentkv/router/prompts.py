@@ -1,0 +1,77 @@
+"""A turn's prompt as ids when the router has none kept: the client's own ids (exact mode, a
+completions prompt of ids), or a tokenizing instance's ``/tokenize`` of the same messages and
+template arguments (P's by default: ``tokenize_with``)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import orjson
+
+from agentkv.router.config import RouterConfig
+from agentkv.router.errors import RouterError, UpstreamError
+from agentkv.router.http import TransportError
+from agentkv.router.logs import safe
+from agentkv.router.metrics import RouterMetrics
+from agentkv.router.request import ClientRequest
+from agentkv.router.upstream import EnginePool
+
+__all__ = ["Tokenizer"]
+
+log = logging.getLogger("agentkv.router")
+
+
+class Tokenizer:
+    """Asks the tokenizing instances, with the turn's retries."""
+
+    def __init__(self, config: RouterConfig, pool: EnginePool, metrics: RouterMetrics) -> None:
+        self.config, self.pool, self.metrics = config, pool, metrics
+
+    async def prompt_ids(self, req: ClientRequest) -> list[int]:
+        if req.prompt_ids is not None:
+            return req.prompt_ids
+        body: dict[str, Any]
+        if req.chat:
+            keys = (
+                "messages",
+                "tools",
+                "chat_template",
+                "chat_template_kwargs",
+                "add_generation_prompt",
+                "continue_final_message",
+                "add_special_tokens",
+                "model",
+            )
+            body = {k: req.body[k] for k in keys if k in req.body}
+        else:
+            body = {
+                k: req.body[k] for k in ("prompt", "add_special_tokens", "model") if k in req.body
+            }
+            if isinstance(body.get("prompt"), list):
+                body["prompt"] = body["prompt"][0]
+        return [int(t) for t in (await self.ask("/tokenize", body))["tokens"]]
+
+    async def ask(self, path: str, body: dict[str, Any]) -> Any:
+        """The JSON answer of a tokenizing instance (``tokenize_with``) to ``POST path``, tried
+        on ``retries`` more when one fails; its 4xx is the client's error."""
+        engines = self.pool.prefill if self.config.tokenize_with == "prefill" else self.pool.decode
+        candidates = [e for e in engines if e.healthy] or list(engines)
+        last: Exception | None = None
+        tries = [candidates[i % len(candidates)] for i in range(self.config.retries + 1)]
+        data = orjson.dumps(body)
+        for engine in tries:
+            try:
+                r = await engine.client.post(path, data)
+            except TransportError as exc:
+                engine.failed(self.config.eject_after_failures)
+                self.metrics.upstream_errors.labels("prefill", "tokenize").inc()
+                last = exc
+                continue
+            if r.status_code == 200:
+                return r.json()
+            if r.status_code < 500:
+                raise UpstreamError(r.status_code, r.content)
+            last = RuntimeError(f"{path} answered {r.status_code}")
+        log.warning("could not tokenize a prompt: %s", safe(repr(last)))
+        raise RouterError(503, "Could not tokenize the prompt: no prefill instance answered.")
