@@ -184,9 +184,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small histories, few turns")
     parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    parser.add_argument(
+        "--sizes",
+        help="comma-separated history sizes in tokens (default 1000,8000,32000,128000; "
+        "--quick: 1000,8000); implies --no-write",
+    )
+    parser.add_argument(
+        "--turns",
+        type=int,
+        help="turns per history size (default 8; --quick: 3); implies --no-write",
+    )
     args = parser.parse_args()
     sizes = [1_000, 8_000] if args.quick else [1_000, 8_000, 32_000, 128_000]
     turns = 3 if args.quick else 8
+    if args.sizes:
+        sizes = [int(s) for s in args.sizes.split(",")]
+    if args.turns:
+        turns = args.turns
+    if args.sizes or args.turns:
+        args.no_write = True
     (sim,) = start_sims(
         [
             [
