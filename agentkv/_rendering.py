@@ -113,7 +113,8 @@ def _httpx_reply(response: httpx.Response) -> _Reply:
         body = response.json()
     except ValueError:
         body = None
-    return _Reply(response.status_code, body, response.text, retry)
+    text = response.text if response.status_code >= 400 else ""  # only errors quote it
+    return _Reply(response.status_code, body, text, retry)
 
 
 def _openai_error_reply(exc: openai.APIStatusError) -> _Reply:
