@@ -70,7 +70,7 @@ def _without_echo(content: bytes, ids: bytes, prompt_ids: list[int]) -> Any:
     at = content.find(_ECHO_KEY)
     start = at + len(_ECHO_KEY)
     end = start + len(ids)
-    if at > 0 and content[start:end] == ids and content[at - 1 : at] in (b"{", b","):
+    if at > 0 and content[at - 1 : at] in (b"{", b",") and content.startswith(ids, start):
         data = json.loads(b"".join((content[:start], _HOLE_JSON, content[end:])))
         if isinstance(data, dict) and data.get(BODY_PROMPT_TOKEN_IDS) == _HOLE:
             data[BODY_PROMPT_TOKEN_IDS] = list(prompt_ids)
