@@ -4,6 +4,7 @@ simulator."""
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -12,6 +13,7 @@ import httpx
 import openai
 import orjson
 import pytest
+from openai.resources.chat.completions import Completions
 from tools_support import function_tool
 
 import agentkv
@@ -43,7 +45,7 @@ class Recorded:
 
 def _client(sim: SimProcess, cls: type[openai.OpenAI] = openai.OpenAI) -> tuple[Any, Recorded]:
     recorded = Recorded()
-    http = httpx.Client(event_hooks={"request": [recorded.hook]}, trust_env=False)
+    http: Any = httpx.Client(event_hooks={"request": [recorded.hook]}, trust_env=False)
     oa = cls(base_url=f"{sim.url}/v1", api_key="k", http_client=http)
     return agentkv.Client(openai_client=oa, retries=0), recorded
 
@@ -83,7 +85,10 @@ def test_a_turn_sends_what_openai_create_sends(
         assert fast_body == own_body
         assert "min_p" not in fast_body and "top_p" not in fast_body
         assert fast_body["stop"] == ["zz"] and fast_body["top_k"] == 3
-        assert fast_headers == own_headers  # auth, x-stainless-*, ours, content-length
+        trace = {"traceparent", "tracestate"}  # each turn's own span when tracing is on
+        assert {k: v for k, v in fast_headers.items() if k not in trace} == {
+            k: v for k, v in own_headers.items() if k not in trace
+        }  # auth, x-stainless-*, ours, content-length
     for a, b in zip(fast_turns, own_turns, strict=True):
         mine = {"id", "created", "usage"}  # usage: the second run hits the prefix cache
         assert a.model_dump(exclude=mine) == b.model_dump(exclude=mine)
@@ -117,12 +122,36 @@ def test_the_history_never_goes_through_the_standard_json(
         conv.add_user(f"question {i}")
         completion = conv.create(max_tokens=8)
         sent = conv._ledger.last_prompt_ids
-        assert len(sent) > 3000
+        assert sent is not None and len(sent) > 3000
+        assert completion.model_extra is not None
         echo = completion.model_extra["prompt_token_ids"]
         assert echo == sent and echo is not conv._ledger.ids  # the caller's own copy
     monkeypatch.undo()
     client.close()
     assert max(seen, default=0) < 2000, seen
+
+
+def test_what_instruments_create_sees_all_but_the_messages(
+    sim: SimProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A wrapper of ``Completions.create`` (tracing libraries wrap the class's) sees the
+    arguments and the extra body, not the messages (openai's transform of them is skipped)."""
+    seen: list[dict[str, Any]] = []
+    create = Completions.create
+
+    def traced(self: Completions, *args: Any, **kwargs: Any) -> Any:
+        seen.append(copy.deepcopy(kwargs))  # as the call saw them (the ledger grows after)
+        return create(self, *args, **kwargs)
+
+    monkeypatch.setattr(Completions, "create", traced)
+    client, sent = _client(sim)
+    with client:
+        _turns(client, 2)
+    body = sent.chats()[-1][1]
+    assert seen[-1]["messages"] == [] and seen[-1]["model"] == "sim"
+    assert [m["role"] for m in body["messages"]] == ["system", "user", "assistant", "user"]
+    ids = seen[-1]["extra_body"]["kv_transfer_params"]["prompt_token_ids"]
+    assert ids == body["kv_transfer_params"]["prompt_token_ids"]
 
 
 def test_a_subclass_of_the_openai_client_takes_its_own_path(sim: SimProcess) -> None:
@@ -143,6 +172,7 @@ async def test_async_turns_read_the_echo_as_sent(sim: SimProcess) -> None:
         for i in range(2):
             conv.add_user(f"question {i}")
             completion = await conv.create(max_tokens=8)
+            assert completion.model_extra is not None
             assert completion.model_extra["prompt_token_ids"] == conv._ledger.last_prompt_ids
         assert conv.last_receipt is not None and conv.last_receipt.mode == "exact"
 
