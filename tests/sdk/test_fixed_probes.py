@@ -17,7 +17,7 @@ TOOLS = [function_tool("get_weather", "Weather", city="string")]
 
 def test_what_depends_only_on_the_template_is_asked_once_per_renderer(sim: SimProcess) -> None:
     sent: list[str] = []
-    http = httpx.Client(
+    http: Any = httpx.Client(
         event_hooks={"request": [lambda r: sent.append(r.url.path)]}, trust_env=False
     )
     oa = openai.OpenAI(base_url=f"{sim.url}/v1", api_key="k", http_client=http)
