@@ -20,7 +20,7 @@ The answer is decoded as ``openai`` decodes it (``json.loads``), but an echo byt
 the ids sent is not: the ``ChatCompletion`` gets a copy of the SDK's own list in its place,
 equal to what decoding it would give. An echo that differs is decoded.
 
-An ``openai`` without ``post(content=...)`` (before 2.x), a client class that builds its
+An ``openai`` without ``post(content=...)`` (1.60 has none), a client class that builds its
 requests its own way (``AzureOpenAI`` puts the model in the URL), or a body orjson would encode
 otherwise than ``openai`` (a type it does not know, an integer beyond 64 bits, NaN in the
 arguments) takes ``openai``'s own path, unchanged.
