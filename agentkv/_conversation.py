@@ -30,6 +30,7 @@ from agentkv._turn import (
     drift_windows,
     result_from_completion,
 )
+from agentkv._wire import ChatSend
 from agentkv.protocol import HEADER_CONVERSATION_ID, HEADER_EPOCH
 
 if TYPE_CHECKING:
@@ -74,8 +75,8 @@ def _without_v1(exc: BaseException, base_url: Any, conversation_id: str) -> Exce
     )
 
 
-def _parsed(raw: Any, started: float) -> tuple[ChatCompletion, TurnResult]:
-    completion: ChatCompletion = raw.parse()
+def _parsed(send: ChatSend, raw: Any, started: float) -> tuple[ChatCompletion, TurnResult]:
+    completion: ChatCompletion = send.parse(raw)
     return completion, result_from_completion(
         completion, raw.headers, time.perf_counter() - started
     )
@@ -235,11 +236,11 @@ class Conversation(_BaseConversation["Client"]):
             prompt_ids = self._render()
             request = self._request(prompt_ids, chat_kwargs, span)
             started = time.perf_counter()
-            create = client.openai.chat.completions.with_raw_response.create
-            raw = client.retry.call(lambda: create(**request))
+            send = ChatSend(client.openai, request, prompt_ids)
+            raw = client.retry.call(send)
             if request.get("stream"):
                 return ConversationStream(self, raw, prompt_ids, started, span, chat_kwargs)
-            completion, result = _parsed(raw, started)
+            completion, result = _parsed(send, raw, started)
             self._finish(prompt_ids, result, span)
             return completion
         except BaseException as exc:
@@ -307,11 +308,11 @@ class AsyncConversation(_BaseConversation["AsyncClient"]):
             prompt_ids = await self._render()
             request = self._request(prompt_ids, chat_kwargs, span)
             started = time.perf_counter()
-            create = client.openai.chat.completions.with_raw_response.create
-            raw: Any = await client.retry.acall(lambda: create(**request))
+            send = ChatSend(client.openai, request, prompt_ids)
+            raw: Any = await client.retry.acall(send)
             if request.get("stream"):
                 return AsyncConversationStream(self, raw, prompt_ids, started, span, chat_kwargs)
-            completion, result = _parsed(raw, started)
+            completion, result = _parsed(send, raw, started)
             await self._finish(prompt_ids, result, span)
             return completion
         except BaseException as exc:

