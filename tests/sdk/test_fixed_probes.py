@@ -7,10 +7,10 @@ from typing import Any
 
 import httpx
 import openai
-from tools_support import function_tool
 
 import agentkv
 from agentkv.sim.launch import SimProcess
+from tests._support.tools import function_tool
 
 TOOLS = [function_tool("get_weather", "Weather", city="string")]
 

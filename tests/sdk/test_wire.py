@@ -14,12 +14,12 @@ import openai
 import orjson
 import pytest
 from openai.resources.chat.completions import Completions
-from tools_support import function_tool
 
 import agentkv
 from agentkv import _wire
 from agentkv._wire import _without_echo
 from agentkv.sim.launch import SimProcess
+from tests._support.tools import function_tool
 
 TOOLS = [function_tool("get_weather", "Weather", city="string")]
 LONG = " ".join(["agents resend their whole growing history every turn"] * 400)
