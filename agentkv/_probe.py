@@ -51,17 +51,12 @@ __all__ = [
     "Plan",
     "Request",
     "TextCall",
-    "append_ids",
     "ask_backend",
     "render_ids",
-    "render_ids_async",
     "render_plan",
     "run_plan",
     "run_plan_async",
 ]
-
-Tokenize = Callable[[list[dict[str, Any]], bool, bool], list[int]]
-"""``(messages, add_generation_prompt, continue_final_message) -> ids``."""
 
 _ADVICE = {
     "no-marker": (
@@ -195,34 +190,3 @@ def ask_backend(backend: Backend | AsyncBackend, request: Request) -> Any:
 def render_ids(backend: Backend, job: RenderJob) -> list[int]:
     """Run :func:`render_plan` against a sync ``backend``."""
     return run_plan(render_plan(job), lambda request: ask_backend(backend, request))
-
-
-async def render_ids_async(backend: AsyncBackend, job: RenderJob) -> list[int]:
-    """Run :func:`render_plan` against an async ``backend``."""
-    return await run_plan_async(render_plan(job), lambda request: ask_backend(backend, request))
-
-
-class _Tokenizing:
-    """A :class:`Backend` from a bare chat ``tokenize`` function (no text requests)."""
-
-    def __init__(self, tokenize: Tokenize) -> None:
-        self._tokenize = tokenize
-
-    def chat(self, call: ChatCall) -> list[int]:
-        return self._tokenize(
-            call.messages, call.add_generation_prompt, call.continue_final_message
-        )
-
-    def encode(self, text: str) -> list[int]:
-        raise RenderError("This renderer cannot tokenize plain text.")
-
-    def decode(self, ids: list[int]) -> str:
-        raise RenderError("This renderer cannot decode ids.")
-
-
-def append_ids(tokenize: Tokenize, job: RenderJob) -> list[int]:
-    """The ids to append after the previous answer for an ``append`` job, from a bare chat
-    ``tokenize(messages, add_generation_prompt, continue_final_message)``."""
-    if job.kind != "append":
-        raise ValueError("append_ids() takes an 'append' job")
-    return render_ids(_Tokenizing(tokenize), job)
