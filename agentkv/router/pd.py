@@ -51,7 +51,7 @@ from agentkv.router.logs import safe
 from agentkv.router.metrics import RouterMetrics
 from agentkv.router.receipt import Receipt, account, sim_receipt
 from agentkv.router.relay import Relay, StreamOutcome
-from agentkv.router.request import ClientRequest, RouterError
+from agentkv.router.request import ClientRequest, RouterError, TokenIds, checked_ids, wire_ids
 from agentkv.router.retention import Retention
 from agentkv.router.sse import Captured, clean_response, synthesize_stream
 from agentkv.router.store import StoredHandle, StoreKey, Taken
@@ -232,7 +232,7 @@ class Router:
         return bool(handles)
 
     # -- 1. prompt ids -----------------------------------------------------------------------
-    async def prompt_ids(self, req: ClientRequest) -> list[int]:
+    async def prompt_ids(self, req: ClientRequest) -> TokenIds:
         if req.prompt_ids is not None:
             return req.prompt_ids
         body: dict[str, Any]
@@ -254,7 +254,10 @@ class Router:
             }
             if isinstance(body.get("prompt"), list):
                 body["prompt"] = body["prompt"][0]
-        return [int(t) for t in (await self.ask_tokenizer("/tokenize", body))["tokens"]]
+        ids = checked_ids((await self.ask_tokenizer("/tokenize", body)).get("tokens"))
+        if ids is None:
+            raise RouterError(502, "The prefill instance's /tokenize returned no token ids.")
+        return ids
 
     async def ask_tokenizer(self, path: str, body: dict[str, Any]) -> Any:
         """The JSON answer of a tokenizing instance (``tokenize_with``) to ``POST path``, tried
@@ -399,7 +402,7 @@ class Router:
                 else KVTransferParams.for_prefill().to_wire()
             )
             body: dict[str, Any] = {
-                "prompt": ids,
+                "prompt": wire_ids(ids),
                 "max_tokens": 1,
                 "stream": False,
                 "kv_transfer_params": params,
@@ -528,7 +531,7 @@ class Router:
     async def _turn(self, req: ClientRequest, span: trace.Span) -> Response:
         started = time.perf_counter()
         kept: Resolved = await self.identity.resolve(req, self.ask_tokenizer)
-        ids = kept.ids if kept.ids is not None else await self.prompt_ids(req)
+        ids = TokenIds(kept.ids) if kept.ids is not None else await self.prompt_ids(req)
         self._check_context(req, len(ids))
         key: StoreKey | None = (req.tenant, req.conversation_id) if req.conversation_id else None
         if key is not None and req.lease_s is not None:
@@ -583,9 +586,9 @@ class Router:
         ids = hashes.prompt
         body = req.copy_body()
         if req.chat:
-            body["kv_transfer_params"] = dict(pre.params, prompt_token_ids=ids)
+            body["kv_transfer_params"] = dict(pre.params, prompt_token_ids=wire_ids(ids))
         else:
-            body["prompt"] = ids
+            body["prompt"] = wire_ids(ids)
             body["kv_transfer_params"] = pre.params
         body["return_token_ids"] = True
         headers = pre.receipt.headers()
@@ -727,7 +730,7 @@ class Router:
             block_size=bs,
             epoch=req.epoch,
             decode_url=engine.url,
-            root=prompt.root.hex(),
+            root=prompt.root,
         )
         if key is None:
             self._spawn(self.release(stored, "anonymous"))

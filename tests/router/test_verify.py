@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from agentkv.router.store import StoredHandle, Taken
+from agentkv.router.request import checked_ids, int32_le
+from agentkv.router.store import DIGEST_SIZE, StoredHandle, Taken
 from agentkv.router.verify import (
     PromptHashes,
+    block_digests,
     chain_hashes,
     hash_root,
     held_record,
@@ -70,12 +72,35 @@ def test_chain_hashes_depend_on_the_root():
     )
 
 
+def digests(ids, root=ROOT):
+    return block_digests(int32_le(ids), BS, root)
+
+
+def test_block_digests_one_per_full_block_salted_by_the_root():
+    a = digests([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert len(a) == 2 * DIGEST_SIZE
+    assert digests([1, 2, 3, 4, 5, 6, 7, 0])[:DIGEST_SIZE] == a[:DIGEST_SIZE]
+    assert digests([1, 2, 3, 4, 5, 6, 7, 0])[DIGEST_SIZE:] != a[DIGEST_SIZE:]
+    assert digests([1, 2, 3, 4], hash_root("m", "s1")) != digests(
+        [1, 2, 3, 4], hash_root("m", "s2")
+    )
+    assert digests([1, 2, 3, 4], hash_root("a", None)) != digests(
+        [1, 2, 3, 4], hash_root("b", None)
+    )
+
+
+def test_token_ids_hash_as_lists_do():
+    ids = checked_ids(list(range(50)))
+    assert ids is not None and ids.data == int32_le(range(50))
+    assert PromptHashes(ids, BS, ROOT).upto(99) == digests(list(range(50)))
+
+
 def test_prompt_hashes_extend_lazily_and_agree():
     prompt = list(range(50))
     lazy = PromptHashes(prompt, BS, ROOT)
-    assert lazy.upto(3) == chain_hashes(prompt[:12], BS, ROOT)
-    assert lazy.upto(12) == chain_hashes(prompt, BS, ROOT)
-    assert lazy.upto(99) == chain_hashes(prompt, BS, ROOT)
+    assert lazy.upto(3) == digests(prompt[:12])
+    assert lazy.upto(12) == digests(prompt)
+    assert lazy.upto(99) == digests(prompt)
 
 
 def test_held_record_reuses_the_prompts_hashes():
@@ -84,9 +109,18 @@ def test_held_record_reuses_the_prompts_hashes():
     lazy.upto(3)  # verification hashed part of it already
     hashes, tail = held_record(output, 34, lazy)
     held = [*prompt, *output][:34]
-    assert hashes == chain_hashes(held[:32], BS, ROOT) and tail == held[32:]
+    assert hashes == digests(held[:32]) and tail == held[32:]
     short, tail = held_record(output, 10, PromptHashes(prompt, BS, ROOT))
-    assert short == chain_hashes(prompt[:8], BS, ROOT) and tail == prompt[8:10]
+    assert short == digests(prompt[:8]) and tail == prompt[8:10]
+
+
+def test_a_changed_block_stops_verification_there():
+    """Every block of the verified prefix is compared, not only the last."""
+    h = handle()
+    for i in range(5):
+        prompt = list(HELD)
+        prompt[i * BS + 1] += 1000
+        assert verified_tokens(h, PromptHashes(prompt, BS, ROOT)) == i * BS
 
 
 def test_extension_is_verified_in_full():
