@@ -86,7 +86,8 @@ class WireParams(Mapping[str, Any]):
         elif isinstance(params, bytes):
             self.raw = params
         else:
-            self.raw = orjson.dumps(dict(params))
+            # copied: orjson's bytes keep the capacity of its output buffer (~500 KiB)
+            self.raw = bytes(memoryview(orjson.dumps(dict(params))))
 
     def decoded(self) -> dict[str, Any]:
         """A fresh dict of the params."""
