@@ -721,16 +721,17 @@ class Router:
         engine.identify(kvt.engine_id(handle))  # before it is stored: a new engine drops the old
         num = parsed.num_tokens
         bs = self.config.block_size
-        hashes, tail = held_record(captured.output_ids, num, prompt)
+        held = held_record(captured.output_ids, num, prompt)
         stored = StoredHandle(
             params=_reachable(handle, engine),
-            block_hashes=hashes,
-            tail_tokens=tail,
+            block_hashes=held.digests,
+            tail_tokens=held.tail,
             num_tokens=num,
             block_size=bs,
             epoch=req.epoch,
             decode_url=engine.url,
             root=prompt.root,
+            prefix_digest=held.prefix,
         )
         if key is None:
             self._spawn(self.release(stored, "anonymous"))

@@ -75,19 +75,27 @@ OnEvict = Callable[[str, Bound], None]
 
 
 class WireParams(Mapping[str, Any]):
-    """D's ``kv_transfer_params`` kept as their JSON (a few bytes per block id, where a dict of
-    Python ints takes 36), read back on use."""
+    """D's ``kv_transfer_params`` with their block ids kept as JSON (a few bytes per block id,
+    where a list of Python ints takes 36), read back only when the block ids are; the other
+    fields stay a small dict."""
 
-    __slots__ = ("raw",)
+    __slots__ = ("_small", "raw")
 
     def __init__(self, params: Mapping[str, Any] | bytes) -> None:
         if isinstance(params, WireParams):
             self.raw: bytes = params.raw
-        elif isinstance(params, bytes):
+            self._small: dict[str, Any] = params._small
+            return
+        if isinstance(params, bytes):
             self.raw = params
+            decoded = orjson.loads(params)
+            if not isinstance(decoded, dict):
+                raise ValueError("params must be a JSON object")
+            params = decoded
         else:
             # copied: orjson's bytes keep the capacity of its output buffer (~500 KiB)
             self.raw = bytes(memoryview(orjson.dumps(dict(params))))
+        self._small = {k: v for k, v in params.items() if k != _BLOCK_IDS}
 
     def decoded(self) -> dict[str, Any]:
         """A fresh dict of the params."""
@@ -95,19 +103,18 @@ class WireParams(Mapping[str, Any]):
         return value
 
     def __getitem__(self, key: str) -> Any:
-        return self.decoded()[key]
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.decoded().get(key, default)
+        if key == _BLOCK_IDS:
+            return self.decoded()[key]
+        return self._small[key]
 
     def __contains__(self, key: object) -> bool:
-        return key in self.decoded()
+        return key in self._small or (key == _BLOCK_IDS and len(self._small) != len(self))
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.decoded())
 
     def __len__(self) -> int:
-        return len(self.decoded())
+        return len(self._small) + (b'"remote_block_ids":' in self.raw)
 
     def keys(self) -> KeysView[str]:
         return self.decoded().keys()
@@ -131,6 +138,9 @@ class WireParams(Mapping[str, Any]):
         return f"WireParams({self.decoded()!r})"
 
 
+_BLOCK_IDS = "remote_block_ids"
+
+
 @dataclass(frozen=True)
 class StoredHandle:
     """What the router keeps from D's final response, to verify and reuse on a later turn."""
@@ -152,6 +162,9 @@ class StoredHandle:
     root: bytes = b""
     """What the digests are salted with: the hash version, the model and the effective cache
     salt (a handle never verifies for a prompt under another salt or model)."""
+    prefix_digest: bytes = b""
+    """One digest of the bytes of all the full blocks (verifies all of them in one call; empty:
+    the blocks are compared one by one)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.params, WireParams):
@@ -176,6 +189,7 @@ class StoredHandle:
                 "epoch": self.epoch,
                 "decode_url": self.decode_url,
                 "root": self.root.hex(),
+                "prefix": self.prefix_digest.hex(),
             }
         )
         return b"".join((_MAGIC, meta, b"\n", self.params.raw, b"\n", self.block_hashes))
@@ -191,13 +205,13 @@ class StoredHandle:
             raise ValueError("stored handle is truncated")
         try:
             obj = orjson.loads(data[len(_MAGIC) : first])
-            params = orjson.loads(data[first + 1 : second])
+            params = WireParams(data[first + 1 : second])
         except orjson.JSONDecodeError as e:
             raise ValueError(f"stored handle is not JSON: {e}") from None
+        except ValueError:
+            raise ValueError("stored handle: params must be an object") from None
         if not isinstance(obj, dict):
             raise ValueError("stored handle is not a JSON object")
-        if not isinstance(params, dict):
-            raise ValueError("stored handle: params must be an object")
         block_hashes = data[second + 1 :]
         if len(block_hashes) % DIGEST_SIZE:
             raise ValueError("stored handle: block_hashes is not a whole number of digests")
@@ -215,12 +229,16 @@ class StoredHandle:
             raise ValueError("stored handle: decode_url must be a string")
         if not isinstance(root, str):
             raise ValueError("stored handle: root must be a string")
+        prefix = obj.get("prefix", "")
         try:
             root_bytes = bytes.fromhex(root)
+            prefix_bytes = bytes.fromhex(prefix) if isinstance(prefix, str) else None
         except ValueError:
-            raise ValueError("stored handle: root must be hex") from None
+            raise ValueError("stored handle: root and prefix must be hex") from None
+        if prefix_bytes is None or len(prefix_bytes) not in (0, DIGEST_SIZE):
+            raise ValueError("stored handle: prefix must be one digest in hex")
         return cls(
-            params=WireParams(data[first + 1 : second]),
+            params=params,
             block_hashes=block_hashes,
             tail_tokens=tail_tokens,
             num_tokens=ints["num_tokens"],
@@ -228,6 +246,7 @@ class StoredHandle:
             epoch=ints["epoch"],
             decode_url=decode_url,
             root=root_bytes,
+            prefix_digest=prefix_bytes,
         )
 
 

@@ -25,13 +25,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from operator import methodcaller
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from agentkv.protocol import KVTransferParams
 from agentkv.router.request import TokenIds, int32_le
-from agentkv.router.store import DIGEST_SIZE, HASH_VERSION, StoredHandle, Taken
+from agentkv.router.store import DIGEST_SIZE, HASH_VERSION, StoredHandle, Taken, WireParams
 
 __all__ = [
+    "Held",
     "PromptHashes",
     "ReusePlan",
     "block_digests",
@@ -96,6 +97,10 @@ class PromptHashes:
         self.prompt, self.block_size, self.root = prompt, block_size, root
         self.data = _data(prompt)
         self._digests = b""
+        self._state: tuple[int, hashlib.blake2b] = (
+            0,
+            hashlib.blake2b(digest_size=DIGEST_SIZE, salt=root),
+        )
 
     def upto(self, blocks: int) -> bytes:
         """The first ``blocks`` digests, concatenated (fewer when the prompt is shorter)."""
@@ -106,13 +111,45 @@ class PromptHashes:
             self._digests += block_digests(more, self.block_size, self.root)
         return self._digests[: blocks * DIGEST_SIZE]
 
+    def adopt(self, digests: bytes) -> None:
+        """The prompt's first blocks are known to have these digests (a handle's, verified by
+        its prefix digest)."""
+        if len(digests) > len(self._digests):
+            self._digests = digests
 
-def held_record(
-    output: Sequence[int], num_tokens: int, prompt: PromptHashes
-) -> tuple[bytes, list[int]]:
-    """(block digests, tail tokens) of the first ``num_tokens`` of the prompt + ``output``, what
-    D holds after a turn. The prompt's full blocks reuse the digests verification computed."""
+    def prefix_digest(self, size: int, data: bytes | None = None) -> bytes:
+        """The digest of the first ``size`` bytes of ``data`` (default: the prompt's; another
+        buffer must start with the prompt's bytes as far as they were hashed): one blake2b over
+        contiguous bytes, continued from the longest prefix hashed so far."""
+        src = self.data if data is None else data
+        done, state = self._state
+        if size < done:
+            done, state = 0, hashlib.blake2b(digest_size=DIGEST_SIZE, salt=self.root)
+        else:
+            state = state.copy()
+        state.update(memoryview(src)[done:size])
+        if size <= len(self.data):
+            self._state = (size, state.copy())
+        return state.digest()
+
+
+class Held(NamedTuple):
+    """What D holds after a turn, as a stored handle records it."""
+
+    digests: bytes
+    """Every full block's digest."""
+    tail: list[int]
+    """The ids after the last full block."""
+    prefix: bytes
+    """One digest of all the full blocks' bytes."""
+
+
+def held_record(output: Sequence[int], num_tokens: int, prompt: PromptHashes) -> Held:
+    """The digests and tail tokens of the first ``num_tokens`` of the prompt + ``output``, what
+    D holds after a turn. The prompt's full blocks reuse the digests verification computed (or
+    took from the handle it verified)."""
     bs = prompt.block_size
+    step = 4 * bs
     n_prompt = len(prompt.prompt)
     full_blocks = num_tokens // bs
     shared = min(full_blocks, n_prompt // bs)
@@ -121,12 +158,12 @@ def held_record(
         held = (prompt.data + int32_le(output))[: 4 * num_tokens]
     else:
         held = prompt.data[: 4 * num_tokens]
-    rest = block_digests(held[shared * bs * 4 : full_blocks * bs * 4], bs, prompt.root)
+    rest = block_digests(held[shared * step : full_blocks * step], bs, prompt.root)
     tail = array("i")
-    tail.frombytes(held[full_blocks * bs * 4 :])
+    tail.frombytes(held[full_blocks * step :])
     if sys.byteorder == "big":
         tail.byteswap()
-    return known + rest, tail.tolist()
+    return Held(known + rest, tail.tolist(), prompt.prefix_digest(full_blocks * step, held))
 
 
 def _common_blocks(a: bytes, b: bytes) -> int:
@@ -155,7 +192,18 @@ def verified_tokens(
         return 0
     held = handle.block_hashes
     blocks = len(held) // DIGEST_SIZE
-    k = _common_blocks(hashes.upto(blocks), held)
+    size = blocks * 4 * bs
+    if (
+        handle.prefix_digest
+        and len(hashes.data) >= size
+        and hashes.prefix_digest(size) == handle.prefix_digest
+    ):
+        # every one of its blocks is this prompt's: one digest over their bytes says so, and
+        # the handle's own block digests are the prompt's
+        hashes.adopt(held)
+        k = blocks
+    else:
+        k = _common_blocks(hashes.upto(blocks), held)
     if k < blocks:
         return k * bs
     tokens = hashes.prompt
@@ -245,4 +293,6 @@ def plan_reuse(
 
 
 def _as_params(raw: Mapping[str, object]) -> KVTransferParams:
-    return KVTransferParams.model_validate(dict(raw))
+    return KVTransferParams.model_validate(
+        raw.decoded() if isinstance(raw, WireParams) else dict(raw)
+    )

@@ -282,6 +282,7 @@ def test_record_round_trip() -> None:
         handle(3, decode="http://[::1]:8200", epoch=7),
         params={"remote_block_ids": [[1, 2], [3]], "note": "ünïcode 🙂\n", "x": None, "f": 1.5},
         block_hashes=bytes(range(256))[:48],  # raw digests: newlines and all
+        prefix_digest=bytes(range(16)),
     )
     data = original.to_bytes()
     assert isinstance(data, bytes)
@@ -311,6 +312,7 @@ def test_record_keeps_digests_raw() -> None:
         (handle().to_bytes().replace(b'"decode_url"', b'"decode"'), "decode_url"),
         (handle().to_bytes().replace(b'\n{"do_remote', b'\n[{"do_remote'), "JSON"),
         (handle().to_bytes().replace(b'"root":"', b'"root":"zz'), "root"),
+        (handle().to_bytes().replace(b'"prefix":"', b'"prefix":"00'), "prefix"),
     ],
 )
 def test_from_bytes_rejects_malformed(data: bytes, match: str) -> None:
