@@ -708,7 +708,7 @@ class Router:
         if pending is not None:
             # before the client can see the end of the turn (and send the next one)
             await self.identity.record(
-                pending, prompt.prompt, captured.output_ids, captured.assistant_message()
+                pending, prompt.ids(), captured.output_ids, captured.assistant_message()
             )
         handle = captured.handle
         try:

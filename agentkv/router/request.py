@@ -236,7 +236,11 @@ class TokenIds(list[int]):
 def int32_le(ids: Iterable[int]) -> bytes:
     """Token ids as int32 little-endian bytes (``OverflowError``, ``TypeError`` for what is not
     an int32)."""
-    packed = array("i", ids)
+    packed = array("i")
+    if isinstance(ids, list):
+        packed.fromlist(ids)  # twice as fast as array("i", ids), whatever the list's class
+    else:
+        packed.extend(ids)
     if sys.byteorder == "big":
         packed.byteswap()
     return packed.tobytes()

@@ -102,6 +102,14 @@ class PromptHashes:
             hashlib.blake2b(digest_size=DIGEST_SIZE, salt=root),
         )
 
+    def ids(self) -> array[int]:
+        """The prompt's ids as an int32 array (a copy of ``data``: no id is converted again)."""
+        out = array("i")
+        out.frombytes(self.data)
+        if sys.byteorder == "big":
+            out.byteswap()
+        return out
+
     def upto(self, blocks: int) -> bytes:
         """The first ``blocks`` digests, concatenated (fewer when the prompt is shorter)."""
         have = len(self._digests) // DIGEST_SIZE
