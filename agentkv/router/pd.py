@@ -35,7 +35,7 @@ from agentkv.router.metrics import RouterMetrics
 from agentkv.router.prompts import Tokenizer
 from agentkv.router.receipt import Receipt, account, sim_receipt
 from agentkv.router.relay import Relay, StreamOutcome
-from agentkv.router.request import ClientRequest, RouterError
+from agentkv.router.request import ClientRequest, RouterError, TokenIds, wire_ids
 from agentkv.router.retention import Retention
 from agentkv.router.sse import Captured, clean_response, synthesize_stream
 from agentkv.router.store import StoredHandle
@@ -195,7 +195,7 @@ class Router:
         return bool(handles)
 
     # -- prompt ids ---------------------------------------------------------------------------
-    async def prompt_ids(self, req: ClientRequest) -> list[int]:
+    async def prompt_ids(self, req: ClientRequest) -> TokenIds:
         return await self.tokenizer.prompt_ids(req)
 
     async def ask_tokenizer(self, path: str, body: dict[str, Any]) -> Any:
@@ -207,7 +207,7 @@ class Router:
         cfg = self.config
         engine, ids = self._prefill_by_url[action.url], action.prompt
         body: dict[str, Any] = {
-            "prompt": list(ids),
+            "prompt": wire_ids(ids),
             "max_tokens": 1,
             "stream": False,
             "kv_transfer_params": action.params,
@@ -364,9 +364,9 @@ class Router:
         ids = action.remember.prompt.prompt
         body = req.copy_body()
         if req.chat:
-            body["kv_transfer_params"] = dict(action.params, prompt_token_ids=ids)
+            body["kv_transfer_params"] = dict(action.params, prompt_token_ids=wire_ids(ids))
         else:
-            body["prompt"] = ids
+            body["prompt"] = wire_ids(ids)
             body["kv_transfer_params"] = action.params
         body["return_token_ids"] = True
         headers = receipt.headers()

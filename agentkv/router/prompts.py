@@ -14,7 +14,7 @@ from agentkv.router.errors import RouterError, UpstreamError
 from agentkv.router.http import TransportError
 from agentkv.router.logs import safe
 from agentkv.router.metrics import RouterMetrics
-from agentkv.router.request import ClientRequest
+from agentkv.router.request import ClientRequest, TokenIds, checked_ids
 from agentkv.router.upstream import EnginePool
 
 __all__ = ["Tokenizer"]
@@ -28,7 +28,7 @@ class Tokenizer:
     def __init__(self, config: RouterConfig, pool: EnginePool, metrics: RouterMetrics) -> None:
         self.config, self.pool, self.metrics = config, pool, metrics
 
-    async def prompt_ids(self, req: ClientRequest) -> list[int]:
+    async def prompt_ids(self, req: ClientRequest) -> TokenIds:
         if req.prompt_ids is not None:
             return req.prompt_ids
         body: dict[str, Any]
@@ -50,7 +50,10 @@ class Tokenizer:
             }
             if isinstance(body.get("prompt"), list):
                 body["prompt"] = body["prompt"][0]
-        return [int(t) for t in (await self.ask("/tokenize", body))["tokens"]]
+        ids = checked_ids((await self.ask("/tokenize", body)).get("tokens"))
+        if ids is None:
+            raise RouterError(502, "The prefill instance's /tokenize returned no token ids.")
+        return ids
 
     async def ask(self, path: str, body: dict[str, Any]) -> Any:
         """The JSON answer of a tokenizing instance (``tokenize_with``) to ``POST path``, tried

@@ -3,8 +3,10 @@
 Layout (``%`` and ``:`` in the tenant and conversation id escaped as ``%25`` and ``%3A``):
 
 - one key per handle, ``f"{prefix}h:{tenant}:{conversation_id}:{handle_id}"``, value
-  ``b"<ttl_ms> " + StoredHandle.to_json()``, expiry ``PX`` (the stored ttl and the key's ``PTTL``
-  give a handle's age on Redis's clock, which all replicas share);
+  ``b"<ttl_ms> " + StoredHandle.to_bytes()`` (a binary record: its block digests raw, its format
+  versioned by a magic prefix, so a replica of another version reads it as absent), expiry
+  ``PX`` (the stored ttl and the key's ``PTTL`` give a handle's age on Redis's clock, which all
+  replicas share);
 - one index per conversation, ``f"{prefix}i:{tenant}:{conversation_id}"``, a sorted set of handle
   ids scored by when they were stored (Redis's ``TIME``), expiring with its newest handle;
 - with a per-tenant bound (``max_entries_per_tenant``), one set per tenant,
@@ -168,7 +170,7 @@ def _as_bytes(value: bytes | str) -> bytes:
 
 
 def _pack(handle: StoredHandle, ttl_ms: int) -> bytes:
-    return b"%d " % ttl_ms + handle.to_json()
+    return b"%d " % ttl_ms + handle.to_bytes()
 
 
 def _unpack(raw: bytes | str) -> tuple[int, StoredHandle] | None:
@@ -178,7 +180,7 @@ def _unpack(raw: bytes | str) -> tuple[int, StoredHandle] | None:
     try:
         if not sep or not head.isdigit():
             raise ValueError("stored value lacks its '<ttl_ms> ' header")
-        return int(head), StoredHandle.from_json(body)
+        return int(head), StoredHandle.from_bytes(body)
     except ValueError as e:
         log.warning("ignoring an unreadable handle in Redis: %s", e)
         return None

@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import math
 import re
+import sys
+from array import array
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.requests import Request
 
@@ -32,8 +36,11 @@ __all__ = [
     "MAX_TOKEN_ID",
     "ClientRequest",
     "RouterError",
+    "TokenIds",
+    "checked_ids",
     "parse_request",
     "read_body",
+    "wire_ids",
 ]
 
 INT64_MAX = (1 << 63) - 1
@@ -139,7 +146,7 @@ class ClientRequest:
     cache_salt: str | None
     conversation_id: str | None
     epoch: int
-    prompt_ids: list[int] | None
+    prompt_ids: TokenIds | None
     """Exact prompt ids when the client sent them."""
     conversation_source: str = "none"
     """Which signal named the conversation (:data:`agentkv.router.session.SOURCES`)."""
@@ -196,20 +203,86 @@ def _check_salt(value: Any) -> str | None:
     return value
 
 
-def _ids(value: Any, param: str) -> list[int]:
-    if (
-        not isinstance(value, list)
-        or not value
-        or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID for t in value
-        )
-    ):
+class TokenIds(list[int]):
+    """A prompt's token ids, checked once, with the two encodings a turn needs made once each:
+    ``data`` (int32 little-endian, what :mod:`~agentkv.router.verify` hashes) and ``wire``
+    (their JSON, spliced into P's and D's bodies by orjson without encoding them again).
+
+    The list is the one orjson parsed (or the tokenizer returned): the ids are never walked by
+    Python code."""
+
+    __slots__ = ("_data", "_json")
+
+    def __init__(self, ids: Iterable[int] = (), *, data: bytes | None = None) -> None:
+        super().__init__(ids)
+        self._data: bytes | None = data
+        self._json: bytes | None = None
+
+    @property
+    def data(self) -> bytes:
+        """The ids as int32 little-endian (``OverflowError`` past int32)."""
+        if self._data is None:
+            self._data = int32_le(self)
+        return self._data
+
+    @property
+    def wire(self) -> orjson.Fragment:
+        """The ids' JSON, for a body encoded by orjson."""
+        if self._json is None:
+            self._json = orjson.dumps(self)
+        return orjson.Fragment(self._json)
+
+
+def int32_le(ids: Iterable[int]) -> bytes:
+    """Token ids as int32 little-endian bytes (``OverflowError``, ``TypeError`` for what is not
+    an int32)."""
+    packed = array("i")
+    if isinstance(ids, list):
+        packed.fromlist(ids)  # twice as fast as array("i", ids), whatever the list's class
+    else:
+        packed.extend(ids)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def wire_ids(ids: Sequence[int]) -> Any:
+    """What to put in a body for ``ids``: their JSON encoded once (:class:`TokenIds`), or the
+    list."""
+    return ids.wire if isinstance(ids, TokenIds) else list(ids)
+
+
+def checked_ids(value: Any) -> TokenIds | None:
+    """``value`` as token ids (integers from 0 to :data:`MAX_TOKEN_ID`, at least one), or None.
+
+    Checked in C, whatever the length: the int32 array refuses what is not an integer (and
+    what is past int32), its sign bytes the negative ids, and the JSON (made anyway for the
+    engines) booleans, which the array would take for 0 and 1."""
+    if not isinstance(value, list) or not value:
+        return None
+    try:
+        data = int32_le(value)
+    except (TypeError, OverflowError):
+        return None
+    if not data[3::4].isascii():  # a sign bit set: a negative id
+        return None
+    ids = TokenIds(value, data=data)
+    encoded = orjson.dumps(value)
+    if b"t" in encoded or b"f" in encoded:  # true / false
+        return None
+    ids._json = encoded
+    return ids
+
+
+def _ids(value: Any, param: str) -> TokenIds:
+    ids = checked_ids(value)
+    if ids is None:
         raise RouterError(
             400,
             f"`{param}` must be a non-empty list of token ids (integers from 0 to {MAX_TOKEN_ID}).",
             param=param,
         )
-    return list(value)
+    return ids
 
 
 def _epoch(raw: str) -> int:
@@ -273,7 +346,7 @@ def parse_request(
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
             prompt = prompt[0]
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        if isinstance(prompt, list) and prompt and type(prompt[0]) is int:
             prompt_ids = _ids(prompt, "prompt")
         elif isinstance(prompt, list) and len(prompt) != 1:
             raise RouterError(

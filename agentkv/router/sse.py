@@ -9,8 +9,9 @@ re-streamed in vLLM's chunk format.
 several events) and parses only what the router needs: vLLM 0.33 puts the handle
 (``kv_transfer_params``), ``finish_reason`` and ``usage`` on the last chunks only, with ``null``
 on the others, so a block of events in which none of them is set is passed through as D's bytes,
-with the token-id lists read (and replaced by ``null`` when the client must not see them) by one
-regular expression. Events that carry a value are parsed and rewritten as before. The block goes
+with the token-id lists found by ``bytes.find`` (the prompt's echo, 128k ids at agent sizes, costs
+one scan for its closing bracket), read, and replaced by ``null`` when the client must not see
+them. Events that carry a value are parsed and rewritten as before. The block goes
 to the client in one write.
 """
 
@@ -37,8 +38,8 @@ __all__ = [
 _SET = re.compile(rb'"(?:kv_transfer_params|finish_reason|usage)"\s*:\s*[^n\s]')
 """A field the router must read is set (not ``null``) in this event. A match inside a string
 value is impossible (its quotes would be escaped); a spurious one only costs a parse."""
-_IDS = re.compile(rb'([{,]\s*)"((?:prompt_)?token_ids)"(\s*:\s*)(\[[^\]]*\])')
-"""A token-id list, at any depth (vLLM puts them on the chunk and on its choices)."""
+_SPACE = frozenset(b" \t\n\r")
+_OPENERS = frozenset(b"{,")
 _DONE = b"data: [DONE]"
 
 
@@ -188,30 +189,43 @@ class EventRelay:
         self.captured = captured
         self.keep_ids, self.keep_prompt_ids = keep_ids, keep_prompt_ids
         self.done = False
-        self._pending = b""
+        self._parts: list[bytes] = []
         if accumulate:
             captured.answer = Answer()
 
     def feed(self, data: bytes) -> bytes:
         if b"\r" in data:
             data = data.replace(b"\r\n", b"\n")
-        buf = self._pending + data if self._pending else data
-        end = buf.rfind(b"\n\n")
-        if end < 0:
-            self._pending = buf
+        # only the new bytes are searched, and an incomplete event's parts are joined once, when
+        # it is complete (a 128k-token echo arrives in many reads)
+        end = data.rfind(b"\n\n")
+        if end >= 0:
+            cut = end + 2
+        elif data[:1] == b"\n" and self._parts and self._parts[-1][-1:] == b"\n":
+            cut = 1
+        else:
+            if data:
+                self._parts.append(data)
             return b""
-        self._pending = buf[end + 2 :]
-        return self._block(buf[: end + 2])
+        block = b"".join((*self._parts, data[:cut])) if self._parts else data[:cut]
+        self._parts = [data[cut:]] if cut < len(data) else []
+        return self._block(block)
 
     def close(self) -> bytes:
-        rest, self._pending = self._pending, b""
+        rest = b"".join(self._parts)
+        self._parts = []
         return self._block(rest + b"\n\n") if rest.strip() else b""
 
     def _block(self, block: bytes) -> bytes:
+        if not self.keep_prompt_ids:
+            # first: the prompt's echo (D sends it, vLLM has no switch for it alone) leaves
+            # here, so nothing below reads its bytes
+            block = _without_prompt_ids(block)
         if _DONE in block:
             self.done = True
         if self.captured.answer is not None:
-            self._deltas(block, self.captured.answer)
+            light = block if not self.keep_prompt_ids else _without_prompt_ids(block)
+            self._deltas(light, self.captured.answer)
         if _SET.search(block) is None:
             return self._ids(block)
         # some event carries the handle, a finish_reason or usage: those are parsed
@@ -260,22 +274,71 @@ class EventRelay:
         if b"token_ids" not in block:
             return block
         ids = self.captured.output_ids
-        strip = False
-        for m in _IDS.finditer(block):
-            if m.group(2) == b"token_ids":
-                ids.extend(orjson.loads(m.group(4)))
-                strip = strip or not self.keep_ids
-            else:
-                strip = strip or not self.keep_prompt_ids
-        if not strip:
+        out: list[bytes] = []
+        done = 0
+        for prompt, start, end in _id_lists(block):
+            if not prompt:
+                ids.extend(orjson.loads(block[start:end]))
+            if not (self.keep_prompt_ids if prompt else self.keep_ids):
+                out.append(block[done:start])
+                out.append(b"null")
+                done = end
+        if not out:
             return block
-        return _IDS.sub(self._null, block)
+        out.append(block[done:])
+        return b"".join(out)
 
-    def _null(self, m: re.Match[bytes]) -> bytes:
-        keep = self.keep_ids if m.group(2) == b"token_ids" else self.keep_prompt_ids
-        if keep:
-            return m.group(0)
-        return m.group(1) + b'"' + m.group(2) + b'"' + m.group(3) + b"null"
+
+def _id_lists(block: bytes) -> Iterator[tuple[bool, int, int]]:
+    """(is the prompt's, start, end) of every ``token_ids`` / ``prompt_token_ids`` list in
+    ``block``, at any depth (vLLM puts them on the chunk and on its choices). Found with
+    ``bytes.find`` (memchr): a prompt's 128k ids cost one scan for their closing bracket, not a
+    regular expression's attempt at every comma."""
+    pos = 0
+    while True:
+        key = block.find(b'token_ids"', pos)
+        if key < 0:
+            return
+        pos = key + 10
+        prompt = block.endswith(b'"prompt_', 0, key)
+        opening = key - (8 if prompt else 1)
+        before = opening - 1
+        while before >= 0 and block[before] in _SPACE:
+            before -= 1
+        if block[opening : opening + 1] != b'"' or before < 0 or block[before] not in _OPENERS:
+            continue  # inside a string, or another key ending so
+        colon = _skip_space(block, pos)
+        if block[colon : colon + 1] != b":":
+            continue
+        start = _skip_space(block, colon + 1)
+        if block[start : start + 1] != b"[":
+            continue  # null
+        end = block.find(b"]", start)
+        if end < 0:
+            return
+        pos = end + 1
+        yield prompt, start, end + 1
+
+
+def _skip_space(block: bytes, pos: int) -> int:
+    while pos < len(block) and block[pos] in _SPACE:
+        pos += 1
+    return pos
+
+
+def _without_prompt_ids(block: bytes) -> bytes:
+    """``block`` with its prompt id lists nulled (what the deltas are read from: a 128k-token
+    echo is not parsed for nothing)."""
+    out: list[bytes] = []
+    done = 0
+    for prompt, start, end in _id_lists(block):
+        if prompt:
+            out += (block[done:start], b"null")
+            done = end
+    if not out:
+        return block
+    out.append(block[done:])
+    return b"".join(out)
 
 
 def synthesize_stream(body: dict[str, Any], *, chat: bool, include_usage: bool) -> Iterator[bytes]:

@@ -32,8 +32,9 @@ import heapq
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, ItemsView, Iterator, KeysView, Mapping, ValuesView
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Literal, Protocol, TypeGuard
 
 import orjson
@@ -47,6 +48,7 @@ __all__ = [
     "StoreKey",
     "StoredHandle",
     "Taken",
+    "WireParams",
     "issued_by",
     "make_store",
 ]
@@ -54,9 +56,15 @@ __all__ = [
 StoreKey = tuple[str, str]
 """(tenant, conversation_id)."""
 
-_FORMAT = 2
-"""Version of :meth:`StoredHandle.to_json`'s layout (router replicas of different versions may
+_FORMAT = 3
+"""Version of :meth:`StoredHandle.to_bytes`'s layout (router replicas of different versions may
 share one Redis; a handle in a format this router does not know is treated as absent)."""
+_MAGIC = b"AKH%d" % _FORMAT
+HASH_VERSION = 3
+"""Version of the block digests (:func:`agentkv.router.verify.block_digests`: their function
+and input encoding); it is in every digest's root and tied to :data:`_FORMAT`."""
+DIGEST_SIZE = 16
+"""Bytes of one block digest."""
 
 DEFAULT_PER_CONVERSATION = 4
 
@@ -66,14 +74,83 @@ OnEvict = Callable[[str, Bound], None]
 """Called with (tenant, bound) for every handle a bound evicts."""
 
 
+class WireParams(Mapping[str, Any]):
+    """D's ``kv_transfer_params`` with their block ids kept as JSON (a few bytes per block id,
+    where a list of Python ints takes 36), read back only when the block ids are; the other
+    fields stay a small dict."""
+
+    __slots__ = ("_small", "raw")
+
+    def __init__(self, params: Mapping[str, Any] | bytes) -> None:
+        if isinstance(params, WireParams):
+            self.raw: bytes = params.raw
+            self._small: dict[str, Any] = params._small
+            return
+        if isinstance(params, bytes):
+            self.raw = params
+            decoded = orjson.loads(params)
+            if not isinstance(decoded, dict):
+                raise ValueError("params must be a JSON object")
+            params = decoded
+        else:
+            # copied: orjson's bytes keep the capacity of its output buffer (~500 KiB)
+            self.raw = bytes(memoryview(orjson.dumps(dict(params))))
+        self._small = {k: v for k, v in params.items() if k != _BLOCK_IDS}
+
+    def decoded(self) -> dict[str, Any]:
+        """A fresh dict of the params."""
+        value: dict[str, Any] = orjson.loads(self.raw)
+        return value
+
+    def __getitem__(self, key: str) -> Any:
+        if key == _BLOCK_IDS:
+            return self.decoded()[key]
+        return self._small[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._small or (key == _BLOCK_IDS and len(self._small) != len(self))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.decoded())
+
+    def __len__(self) -> int:
+        return len(self._small) + (b'"remote_block_ids":' in self.raw)
+
+    def keys(self) -> KeysView[str]:
+        return self.decoded().keys()
+
+    def items(self) -> ItemsView[str, Any]:
+        return self.decoded().items()
+
+    def values(self) -> ValuesView[Any]:
+        return self.decoded().values()
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, WireParams):
+            return self.raw == other.raw or self.decoded() == other.decoded()
+        if isinstance(other, Mapping):
+            return self.decoded() == dict(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"WireParams({self.decoded()!r})"
+
+
+_BLOCK_IDS = "remote_block_ids"
+
+
 @dataclass(frozen=True)
 class StoredHandle:
     """What the router keeps from D's final response, to verify and reuse on a later turn."""
 
-    params: dict[str, Any]
-    """D's ``kv_transfer_params``, as the router will send it to P."""
-    block_hashes: list[str]
-    """Hex chained hashes of the full blocks D holds (prompt + output), from ``root``."""
+    params: Mapping[str, Any]
+    """D's ``kv_transfer_params``, as the router will send it to P (kept as their JSON:
+    :class:`WireParams`)."""
+    block_hashes: bytes
+    """The digests of the full blocks D holds (prompt + output), ``DIGEST_SIZE`` bytes each,
+    concatenated (:func:`agentkv.router.verify.block_digests`)."""
     tail_tokens: list[int]
     """Token ids D holds after its last full block (fewer than ``block_size``)."""
     num_tokens: int
@@ -82,48 +159,62 @@ class StoredHandle:
     epoch: int
     decode_url: str
     """Which D holds the blocks."""
-    root: str = ""
-    """Hex root of the hash chain: the model and the effective cache salt (a handle never
-    verifies for a prompt under another salt or model)."""
+    root: bytes = b""
+    """What the digests are salted with: the hash version, the model and the effective cache
+    salt (a handle never verifies for a prompt under another salt or model)."""
+    prefix_digest: bytes = b""
+    """One digest of the bytes of all the full blocks (verifies all of them in one call; empty:
+    the blocks are compared one by one)."""
 
-    @property
+    def __post_init__(self) -> None:
+        if not isinstance(self.params, WireParams):
+            object.__setattr__(self, "params", WireParams(self.params))
+        if isinstance(self.root, str):
+            object.__setattr__(self, "root", bytes.fromhex(self.root))
+
+    @cached_property
     def id(self) -> str:
         """Stable id of this handle within its conversation (D's request id is unique)."""
         seed = f"{self.decode_url}|{handle_key(self.params)}"
         return hashlib.blake2b(seed.encode(), digest_size=8).hexdigest()
 
-    def to_json(self) -> bytes:
-        return orjson.dumps(
+    def to_bytes(self) -> bytes:
+        """``AKH3``, the fields as one JSON line, D's params as one JSON line, the digests."""
+        assert isinstance(self.params, WireParams)
+        meta = orjson.dumps(
             {
-                "v": _FORMAT,
-                "params": self.params,
-                "block_hashes": self.block_hashes,
                 "tail_tokens": self.tail_tokens,
                 "num_tokens": self.num_tokens,
                 "block_size": self.block_size,
                 "epoch": self.epoch,
                 "decode_url": self.decode_url,
-                "root": self.root,
+                "root": self.root.hex(),
+                "prefix": self.prefix_digest.hex(),
             }
         )
+        return b"".join((_MAGIC, meta, b"\n", self.params.raw, b"\n", self.block_hashes))
 
     @classmethod
-    def from_json(cls, data: bytes) -> StoredHandle:
-        """Parse :meth:`to_json`'s output; ``ValueError`` on anything else."""
+    def from_bytes(cls, data: bytes) -> StoredHandle:
+        """Parse :meth:`to_bytes`'s output; ``ValueError`` on anything else (another format)."""
+        if not data.startswith(_MAGIC):
+            raise ValueError(f"stored handle is not in format {_FORMAT}")
+        first = data.find(b"\n", len(_MAGIC))
+        second = data.find(b"\n", first + 1) if first >= 0 else -1
+        if second < 0:
+            raise ValueError("stored handle is truncated")
         try:
-            obj = orjson.loads(data)
+            obj = orjson.loads(data[len(_MAGIC) : first])
+            params = WireParams(data[first + 1 : second])
         except orjson.JSONDecodeError as e:
             raise ValueError(f"stored handle is not JSON: {e}") from None
+        except ValueError:
+            raise ValueError("stored handle: params must be an object") from None
         if not isinstance(obj, dict):
             raise ValueError("stored handle is not a JSON object")
-        if obj.get("v") != _FORMAT:
-            raise ValueError(f"stored handle has format {obj.get('v')!r}, expected {_FORMAT}")
-        params = obj.get("params")
-        if not isinstance(params, dict):
-            raise ValueError("stored handle: params must be an object")
-        block_hashes = obj.get("block_hashes")
-        if not isinstance(block_hashes, list) or not all(isinstance(h, str) for h in block_hashes):
-            raise ValueError("stored handle: block_hashes must be a list of strings")
+        block_hashes = data[second + 1 :]
+        if len(block_hashes) % DIGEST_SIZE:
+            raise ValueError("stored handle: block_hashes is not a whole number of digests")
         tail_tokens = obj.get("tail_tokens")
         if not isinstance(tail_tokens, list) or not all(_is_int(t) for t in tail_tokens):
             raise ValueError("stored handle: tail_tokens must be a list of integers")
@@ -138,6 +229,14 @@ class StoredHandle:
             raise ValueError("stored handle: decode_url must be a string")
         if not isinstance(root, str):
             raise ValueError("stored handle: root must be a string")
+        prefix = obj.get("prefix", "")
+        try:
+            root_bytes = bytes.fromhex(root)
+            prefix_bytes = bytes.fromhex(prefix) if isinstance(prefix, str) else None
+        except ValueError:
+            raise ValueError("stored handle: root and prefix must be hex") from None
+        if prefix_bytes is None or len(prefix_bytes) not in (0, DIGEST_SIZE):
+            raise ValueError("stored handle: prefix must be one digest in hex")
         return cls(
             params=params,
             block_hashes=block_hashes,
@@ -146,7 +245,8 @@ class StoredHandle:
             block_size=ints["block_size"],
             epoch=ints["epoch"],
             decode_url=decode_url,
-            root=root,
+            root=root_bytes,
+            prefix_digest=prefix_bytes,
         )
 
 

@@ -1,11 +1,15 @@
 """Verified reuse: what D holds, compared block by block with the new prompt.
 
-After a turn the router records, with D's handle, the chained hashes of the full blocks D holds
-(the prompt + the generated ids, ``remote_num_tokens`` of them) and the few tokens after the
-last full block. The chain starts from a root that includes the model and the effective cache
-salt, so a handle never verifies for a prompt under another salt. On a later turn the router
-hashes the new prompt the same way; a handle is valid for the longest run of equal blocks, and
-for all of it only when the tail tokens agree too.
+After a turn the router records, with D's handle, a digest of every full block D holds (the
+prompt + the generated ids, ``remote_num_tokens`` of them, as int32 little-endian) and the few
+tokens after the last full block. Every digest is salted with a root that includes the hash
+version, the model and the effective cache salt, so a handle never verifies for a prompt under
+another salt. On a later turn the router digests the new prompt the same way; a handle is valid
+for the longest run of equal blocks from the first, and for all of it only when the tail tokens
+agree too. The digests are one blake2b call per block over one buffer, driven from C
+(:func:`block_digests`); a stored handle keeps them as one bytes blob. Their layout is versioned
+(:data:`~agentkv.router.store.HASH_VERSION`, in the root and in the stored record), so router
+replicas of different versions sharing a Redis never compare digests of different versions.
 
 The epoch is a hint, not a gate: every candidate is verified whatever its epoch, and the epoch
 only says *why* a handle was cut (``rewrite``: the client announced a new history; ``drift``:
@@ -15,17 +19,23 @@ it did not).
 from __future__ import annotations
 
 import hashlib
+import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from functools import partial
+from operator import methodcaller
+from typing import Literal, NamedTuple
 
 from agentkv.protocol import KVTransferParams
-from agentkv.router.store import StoredHandle, Taken
+from agentkv.router.request import TokenIds, int32_le
+from agentkv.router.store import DIGEST_SIZE, HASH_VERSION, StoredHandle, Taken, WireParams
 
 __all__ = [
+    "Held",
     "PromptHashes",
     "ReusePlan",
+    "block_digests",
     "chain_hashes",
     "hash_root",
     "held_record",
@@ -35,16 +45,37 @@ __all__ = [
 
 Decision = Literal["pull", "recompute", "miss", "stale", "expired", "local"]
 Cause = Literal["rewrite", "drift"]
+_DIGEST = methodcaller("digest")
 
 
 def hash_root(model: str | None, cache_salt: str | None) -> bytes:
-    """The first parent of every hash chain: model and effective salt (tenant + request)."""
-    seed = f"agentkv-v2\x00{model or ''}\x00{cache_salt or ''}".encode()
-    return hashlib.blake2b(seed, digest_size=12).digest()
+    """What every block digest is salted with: the hash version, the model and the effective
+    salt (tenant + request); 16 bytes, blake2b's salt."""
+    seed = f"agentkv-v{HASH_VERSION}\x00{model or ''}\x00{cache_salt or ''}".encode()
+    return hashlib.blake2b(seed, digest_size=16).digest()
+
+
+def block_digests(data: bytes, block_size: int, root: bytes) -> bytes:
+    """The digests (``DIGEST_SIZE`` bytes each, concatenated) of every full block of ``data``
+    (token ids as int32 little-endian): blake2b of the block's bytes salted with ``root``.
+
+    One C call per block over slices of one buffer, driven by ``map`` (no Python code runs per
+    block or per id). The blocks are compared in order from the first
+    (:func:`verified_tokens`), so a verified prefix has every one of its blocks checked."""
+    step = 4 * block_size
+    end = len(data) // step * step
+    if not end:
+        return b""
+    view = memoryview(data)
+    blocks = map(view.__getitem__, map(slice, range(0, end, step), range(step, end + 1, step)))
+    digest = partial(hashlib.blake2b, digest_size=DIGEST_SIZE, salt=root)
+    return b"".join(map(_DIGEST, map(digest, blocks)))
 
 
 def chain_hashes(ids: Sequence[int], block_size: int, root: bytes = b"") -> list[str]:
-    """Hex chained hashes of every full block of ``ids``, starting from ``root``."""
+    """Hex chained hashes of every full block of ``ids`` (int64), starting from ``root``: the
+    key of :class:`~agentkv.router.kv_index.KVIndex`'s blocks (the handle verification uses
+    :func:`block_digests`)."""
     data = array("q", ids).tobytes()
     step = block_size * 8
     out: list[str] = []
@@ -55,37 +86,107 @@ def chain_hashes(ids: Sequence[int], block_size: int, root: bytes = b"") -> list
     return out
 
 
+def _data(ids: Sequence[int]) -> bytes:
+    return ids.data if isinstance(ids, TokenIds) else int32_le(ids)
+
+
 class PromptHashes:
-    """One prompt's block hashes, computed once per turn and only as far as they are needed."""
+    """One prompt's block digests, computed once per turn and only as far as they are needed."""
 
     def __init__(self, prompt: Sequence[int], block_size: int, root: bytes) -> None:
         self.prompt, self.block_size, self.root = prompt, block_size, root
-        self._hashes: list[str] = []
+        self.data = _data(prompt)
+        self._digests = b""
+        self._state: tuple[int, hashlib.blake2b] = (
+            0,
+            hashlib.blake2b(digest_size=DIGEST_SIZE, salt=root),
+        )
 
-    def upto(self, blocks: int) -> list[str]:
-        """The first ``blocks`` hashes (fewer when the prompt is shorter)."""
-        have = len(self._hashes)
+    def ids(self) -> array[int]:
+        """The prompt's ids as an int32 array (a copy of ``data``: no id is converted again)."""
+        out = array("i")
+        out.frombytes(self.data)
+        if sys.byteorder == "big":
+            out.byteswap()
+        return out
+
+    def upto(self, blocks: int) -> bytes:
+        """The first ``blocks`` digests, concatenated (fewer when the prompt is shorter)."""
+        have = len(self._digests) // DIGEST_SIZE
         if blocks > have:
-            bs = self.block_size
-            parent = bytes.fromhex(self._hashes[-1]) if self._hashes else self.root
-            more = self.prompt[have * bs : blocks * bs]
-            self._hashes.extend(chain_hashes(more, bs, parent))
-        return self._hashes[:blocks]
+            step = 4 * self.block_size
+            more = self.data[have * step : blocks * step]
+            self._digests += block_digests(more, self.block_size, self.root)
+        return self._digests[: blocks * DIGEST_SIZE]
+
+    def adopt(self, digests: bytes) -> None:
+        """The prompt's first blocks are known to have these digests (a handle's, verified by
+        its prefix digest)."""
+        if len(digests) > len(self._digests):
+            self._digests = digests
+
+    def prefix_digest(self, size: int, data: bytes | None = None) -> bytes:
+        """The digest of the first ``size`` bytes of ``data`` (default: the prompt's; another
+        buffer must start with the prompt's bytes as far as they were hashed): one blake2b over
+        contiguous bytes, continued from the longest prefix hashed so far."""
+        src = self.data if data is None else data
+        done, state = self._state
+        if size < done:
+            done, state = 0, hashlib.blake2b(digest_size=DIGEST_SIZE, salt=self.root)
+        else:
+            state = state.copy()
+        state.update(memoryview(src)[done:size])
+        if size <= len(self.data):
+            self._state = (size, state.copy())
+        return state.digest()
 
 
-def held_record(
-    output: Sequence[int], num_tokens: int, prompt: PromptHashes
-) -> tuple[list[str], list[int]]:
-    """(block hashes, tail tokens) of the first ``num_tokens`` of the prompt + ``output``, what D
-    holds after a turn. The prompt's full blocks reuse the hashes verification computed."""
+class Held(NamedTuple):
+    """What D holds after a turn, as a stored handle records it."""
+
+    digests: bytes
+    """Every full block's digest."""
+    tail: list[int]
+    """The ids after the last full block."""
+    prefix: bytes
+    """One digest of all the full blocks' bytes."""
+
+
+def held_record(output: Sequence[int], num_tokens: int, prompt: PromptHashes) -> Held:
+    """The digests and tail tokens of the first ``num_tokens`` of the prompt + ``output``, what
+    D holds after a turn. The prompt's full blocks reuse the digests verification computed (or
+    took from the handle it verified)."""
     bs = prompt.block_size
-    held = [*prompt.prompt, *output][:num_tokens]
-    full_blocks = len(held) // bs
-    shared = min(full_blocks, len(prompt.prompt) // bs)
+    step = 4 * bs
+    n_prompt = len(prompt.prompt)
+    full_blocks = num_tokens // bs
+    shared = min(full_blocks, n_prompt // bs)
     known = prompt.upto(shared)
-    parent = bytes.fromhex(known[-1]) if known else prompt.root
-    rest = chain_hashes(held[shared * bs : full_blocks * bs], bs, parent)
-    return [*known, *rest], list(held[full_blocks * bs :])
+    if full_blocks > shared or num_tokens > n_prompt:
+        held = (prompt.data + int32_le(output))[: 4 * num_tokens]
+    else:
+        held = prompt.data[: 4 * num_tokens]
+    rest = block_digests(held[shared * step : full_blocks * step], bs, prompt.root)
+    tail = array("i")
+    tail.frombytes(held[full_blocks * step :])
+    if sys.byteorder == "big":
+        tail.byteswap()
+    return Held(known + rest, tail.tolist(), prompt.prefix_digest(full_blocks * step, held))
+
+
+def _common_blocks(a: bytes, b: bytes) -> int:
+    """How many leading digests ``a`` and ``b`` share (memcmp of halves: a binary search)."""
+    n = min(len(a), len(b)) // DIGEST_SIZE
+    if a[: n * DIGEST_SIZE] == b[: n * DIGEST_SIZE]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[: mid * DIGEST_SIZE] == b[: mid * DIGEST_SIZE]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def verified_tokens(
@@ -95,15 +196,23 @@ def verified_tokens(
     root: another model or salt)."""
     bs = handle.block_size
     hashes = prompt if isinstance(prompt, PromptHashes) else PromptHashes(prompt, bs, root)
-    if hashes.block_size != bs or handle.root != hashes.root.hex():
+    if hashes.block_size != bs or handle.root != hashes.root:
         return 0
-    mine = hashes.upto(len(handle.block_hashes))
-    k = 0
-    for a, b in zip(mine, handle.block_hashes, strict=False):
-        if a != b:
-            break
-        k += 1
-    if k < len(handle.block_hashes):
+    held = handle.block_hashes
+    blocks = len(held) // DIGEST_SIZE
+    size = blocks * 4 * bs
+    if (
+        handle.prefix_digest
+        and len(hashes.data) >= size
+        and hashes.prefix_digest(size) == handle.prefix_digest
+    ):
+        # every one of its blocks is this prompt's: one digest over their bytes says so, and
+        # the handle's own block digests are the prompt's
+        hashes.adopt(held)
+        k = blocks
+    else:
+        k = _common_blocks(hashes.upto(blocks), held)
+    if k < blocks:
         return k * bs
     tokens = hashes.prompt
     tail = list(tokens[k * bs : k * bs + len(handle.tail_tokens)])
@@ -191,5 +300,7 @@ def plan_reuse(
     return ReusePlan("stale", None, 0, verified, False, None, cause, expired)
 
 
-def _as_params(raw: dict[str, object]) -> KVTransferParams:
-    return KVTransferParams.model_validate(raw)
+def _as_params(raw: Mapping[str, object]) -> KVTransferParams:
+    return KVTransferParams.model_validate(
+        raw.decoded() if isinstance(raw, WireParams) else dict(raw)
+    )

@@ -61,6 +61,7 @@ from hypothesis.stateful import (
 
 from agentkv.protocol.prefix import common_prefix
 from agentkv.protocol.promtext import parse_metrics
+from agentkv.router.store import StoredHandle
 from agentkv.sim.launch import SimProcess, free_port, start_sims
 from tests._support.redis_server import _start, start_redis
 from tests._support.stack import Stack, start_router
@@ -229,8 +230,8 @@ class Chaos:
             value: bytes | None = self.redis.get(key)  # type: ignore[assignment]
             if value is None:
                 continue
-            handle = orjson.loads(value.split(b" ", 1)[1])
-            out.add((handle["decode_url"], handle["params"]["remote_request_id"]))
+            handle = StoredHandle.from_bytes(value.split(b" ", 1)[1])
+            out.add((handle.decode_url, handle.params["remote_request_id"]))
         return out
 
     def health(self) -> dict[str, Any]:

@@ -145,3 +145,39 @@ def test_int64_epochs_are_accepted():
     assert (
         _parse({"prompt": [1]}, {"x-agentkv-epoch": str(2**63 - 1)}, chat=False).epoch == 2**63 - 1
     )
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [
+        [1, True],
+        [False],
+        [1, -1],
+        [-(2**31)],
+        [2**31],
+        [2**31 - 1, 2**32],
+        [1, 2.0],
+        [1, "2"],
+        [1, None],
+        [[1]],
+        [],
+        "1 2",
+    ],
+)
+def test_exact_ids_are_refused_unless_every_one_is_a_token_id(ids: object) -> None:
+    """Checked without a Python loop over the ids (issue 23), as strictly as before."""
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(RouterError) as e:
+        _parse({"messages": messages, "kv_transfer_params": {"prompt_token_ids": ids}})
+    assert e.value.status == 400
+
+
+def test_exact_ids_keep_their_json_and_bytes() -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    ids = [0, 5, 2**31 - 1, 151_643]
+    req = _parse({"messages": messages, "kv_transfer_params": {"prompt_token_ids": ids}})
+    assert req.prompt_ids == ids
+    assert req.prompt_ids is not None and orjson.dumps({"p": req.prompt_ids.wire}) == (
+        b'{"p":[0,5,2147483647,151643]}'
+    )
+    assert req.prompt_ids.data == b"".join(i.to_bytes(4, "little") for i in ids)

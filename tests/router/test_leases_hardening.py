@@ -168,7 +168,7 @@ class Released:
 def stored(n: int) -> StoredHandle:
     return StoredHandle(
         params={"do_remote_prefill": True, "remote_block_ids": [[n]], "remote_num_tokens": 16},
-        block_hashes=[f"{n:016x}"],
+        block_hashes=bytes([n % 256]) * 16,
         tail_tokens=[n],
         num_tokens=16,
         block_size=16,

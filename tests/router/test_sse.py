@@ -83,3 +83,22 @@ def test_unchanged_events_pass_as_the_engine_sent_them() -> None:
     out, _ = relay([STREAM], keep_ids=True, keep_prompt_ids=True)
     first = STREAM.split(b"\n\n")[1]  # a content chunk: nothing set, ids kept
     assert first + b"\n\n" in out
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_a_long_echo_in_many_reads_is_cut_and_the_answer_kept(accumulate: bool) -> None:
+    """Issue 23: a 128k-token prompt echo, read 64 KiB at a time, leaves as ``null`` whatever
+    the read boundaries, and the output ids and the answer are read around it."""
+    echo = list(range(100_000, 228_000))
+    first = {"id": "x", "choices": [{"index": 0, "delta": {"role": "assistant"}}]}
+    first["prompt_token_ids"] = echo
+    stream = b"data: " + orjson.dumps(first) + b"\n\n" + STREAM
+    relay = EventRelay(Captured(), keep_ids=False, keep_prompt_ids=False, accumulate=accumulate)
+    out = b"".join(relay.feed(stream[i : i + 65_536]) for i in range(0, len(stream), 65_536))
+    out += relay.close()
+    assert b'"prompt_token_ids":null' in out and b"100000" not in out
+    want = reference(keep_ids=False, keep_prompt_ids=False)[1]
+    assert relay.captured.output_ids == want.output_ids and relay.done
+    assert relay.captured.handle == want.handle
+    if accumulate:
+        assert relay.captured.answer is not None and relay.captured.answer.calls

@@ -46,7 +46,7 @@ def handle(n: int = 0, *, decode: str = "http://10.0.0.2:8200", epoch: int = 0) 
             "remote_blocks_expiry_time": 1234.5,
             "tp_size": 1,
         },
-        block_hashes=[f"{n:016x}", f"{n + 1:016x}"],
+        block_hashes=bytes([n % 256]) * 16 + bytes([(n + 1) % 256]) * 16,
         tail_tokens=[7, 8, n],
         num_tokens=40 + n,
         block_size=16,
@@ -267,36 +267,50 @@ async def test_ttl_must_be_positive_and_finite(h: Harness, ttl: float) -> None:
     assert await h.store.size() == 0
 
 
-# --- StoredHandle JSON -----------------------------------------------------------------------
+# --- StoredHandle records --------------------------------------------------------------------
 
 
-def test_json_round_trip() -> None:
+def test_record_round_trip() -> None:
     original = replace(
         handle(3, decode="http://[::1]:8200", epoch=7),
-        params={"remote_block_ids": [[1, 2], [3]], "note": "ünïcode 🙂", "x": None, "f": 1.5},
+        params={"remote_block_ids": [[1, 2], [3]], "note": "ünïcode 🙂\n", "x": None, "f": 1.5},
+        block_hashes=bytes(range(256))[:48],  # raw digests: newlines and all
+        prefix_digest=bytes(range(16)),
     )
-    data = original.to_json()
+    data = original.to_bytes()
     assert isinstance(data, bytes)
-    assert StoredHandle.from_json(data) == original
+    assert StoredHandle.from_bytes(data) == original
+    assert StoredHandle.from_bytes(data).params.decoded() == original.params
+
+
+def test_record_keeps_digests_raw() -> None:
+    """Issue 23: a 32k-token handle's 2,000 block digests are 16 bytes each in the record, not
+    hex strings in JSON."""
+    blob = bytes(range(256)) * 125  # 2,000 digests
+    record = replace(handle(), block_hashes=blob).to_bytes()
+    assert blob in record and len(record) < len(blob) + 600
 
 
 @pytest.mark.parametrize(
     ("data", "match"),
     [
-        (b"not json", "not JSON"),
-        (b"[]", "not a JSON object"),
-        (b'{"v": 99}', "format 99"),
-        (handle().to_json().replace(b'"epoch":0', b'"epoch":true'), "epoch"),
-        (handle().to_json().replace(b'"epoch":0', b'"epoch":"0"'), "epoch"),
-        (handle().to_json().replace(b'"tail_tokens":[7,8,0]', b'"tail_tokens":[7,"8"]'), "tail"),
-        (handle().to_json().replace(b'"block_hashes":[', b'"block_hashes":[1,'), "block_hashes"),
-        (handle().to_json().replace(b'"decode_url"', b'"decode"'), "decode_url"),
-        (handle().to_json().replace(b'"params":{', b'"params":[1],"x":{'), "params"),
+        (b"not json", "format 3"),
+        (b'{"v": 2, "params": {}}', "format 3"),  # an older replica's record: absent here
+        (b"AKH3{}", "truncated"),
+        (b"AKH3[]\n{}\n", "not a JSON object"),
+        (handle().to_bytes().replace(b'"epoch":0', b'"epoch":true'), "epoch"),
+        (handle().to_bytes().replace(b'"epoch":0', b'"epoch":"0"'), "epoch"),
+        (handle().to_bytes().replace(b'"tail_tokens":[7,8,0]', b'"tail_tokens":[7,"8"]'), "tail"),
+        (handle().to_bytes() + b"x", "block_hashes"),
+        (handle().to_bytes().replace(b'"decode_url"', b'"decode"'), "decode_url"),
+        (handle().to_bytes().replace(b'\n{"do_remote', b'\n[{"do_remote'), "JSON"),
+        (handle().to_bytes().replace(b'"root":"', b'"root":"zz'), "root"),
+        (handle().to_bytes().replace(b'"prefix":"', b'"prefix":"00'), "prefix"),
     ],
 )
-def test_from_json_rejects_malformed(data: bytes, match: str) -> None:
+def test_from_bytes_rejects_malformed(data: bytes, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        StoredHandle.from_json(data)
+        StoredHandle.from_bytes(data)
 
 
 # --- MemoryStore -----------------------------------------------------------------------------
@@ -399,7 +413,7 @@ async def test_redis_layout(redis_url: str, anyio_backend: str) -> None:
         assert store.key(("ten:ant", "conv%1"), handle(1).id) == key
         assert store.index_key(("ten:ant", "conv%1")) == "layout:i:ten%3Aant:conv%251"
         raw = await store.client.get(key)
-        assert raw == b"30000 " + handle(1).to_json()
+        assert raw == b"30000 " + handle(1).to_bytes()
         assert 29_000 < await store.client.pttl(key) <= 30_000
         assert await store.client.zrange("layout:i:ten%3Aant:conv%251", 0, -1) == [
             handle(1).id.encode()
@@ -433,7 +447,7 @@ async def test_redis_drop_decode_and_size_walk_many_keys(
     pipe = a.client.pipeline(transaction=False)
     for i in range(2500):
         h = handle(i, decode="http://dead:1" if i % 2 else "http://alive:1")
-        pipe.set(a.key(("t", str(i)), h.id), b"60000 " + h.to_json(), px=60_000)
+        pipe.set(a.key(("t", str(i)), h.id), b"60000 " + h.to_bytes(), px=60_000)
     await pipe.execute()
     assert await a.size() == 2500
     assert await a.drop_decode("http://dead:1") == 1250

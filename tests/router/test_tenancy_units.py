@@ -187,7 +187,7 @@ def test_derived_salts_are_hmac_of_the_name():
 def _handle(n: int) -> StoredHandle:
     return StoredHandle(
         params={"remote_request_id": f"req-{n}", "remote_block_ids": [[n]]},
-        block_hashes=[f"{n:016x}"],
+        block_hashes=bytes([n % 256]) * 16,
         tail_tokens=[],
         num_tokens=16,
         block_size=16,

@@ -40,7 +40,7 @@ def handle(
     name: str, held: Sequence[int], *, epoch: int = 0, d: str = D1, engine: str = "d1"
 ) -> StoredHandle:
     """D's handle ``name`` holding ``held`` (issued by engine ``engine`` behind ``d``)."""
-    hashes, tail = held_record([], len(held), PromptHashes(list(held), BS, ROOT))
+    record = held_record([], len(held), PromptHashes(list(held), BS, ROOT))
     params = {
         "do_remote_decode": True,
         "remote_block_ids": [list(range(len(held) // BS + 1))],
@@ -50,7 +50,9 @@ def handle(
         "remote_port": 5600,
         "remote_num_tokens": len(held),
     }
-    return StoredHandle(params, hashes, tail, len(held), BS, epoch, d, ROOT.hex())
+    return StoredHandle(
+        params, record.digests, record.tail, len(held), BS, epoch, d, ROOT, record.prefix
+    )
 
 
 H1 = handle("h1", PROMPT[:32])
@@ -864,8 +866,9 @@ def test_remembered_handle_verifies_for_the_next_prompt() -> None:
     stored = store.handle
     assert stored.params["remote_host"] == "10.1.2.3" and stored.decode_url.endswith(":8200")
     assert (stored.num_tokens, stored.epoch, stored.block_size) == (44, 2, BS)
-    expected, tail = held_record([], 44, PromptHashes([*PROMPT, *OUTPUT], BS, ROOT))
-    assert (stored.block_hashes, stored.tail_tokens) == (expected, tail)
+    expected = held_record([], 44, PromptHashes([*PROMPT, *OUTPUT], BS, ROOT))
+    assert (stored.block_hashes, stored.tail_tokens) == (expected.digests, expected.tail)
+    assert (stored.root, stored.prefix_digest) == (ROOT, expected.prefix)
 
 
 def test_store_down_releases_the_new_handle() -> None:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from agentkv.router.store import StoredHandle, Taken
+from agentkv.router.request import checked_ids, int32_le
+from agentkv.router.store import DIGEST_SIZE, StoredHandle, Taken
 from agentkv.router.verify import (
     PromptHashes,
+    block_digests,
     chain_hashes,
     hash_root,
     held_record,
@@ -22,7 +26,7 @@ ROOT = hash_root("m", None)
 def handle(
     epoch: int = 0, num: int = 22, held: list[int] = HELD, root: bytes = ROOT, req: str = "r"
 ) -> StoredHandle:
-    hashes, tail = held_record([], num, PromptHashes(held, BS, root))
+    record = held_record([], num, PromptHashes(held, BS, root))
     params = {
         "do_remote_decode": True,
         "remote_block_ids": [list(range(1, 7))],
@@ -33,7 +37,9 @@ def handle(
         "remote_num_tokens": num,
         "remote_registration_generation": 3,
     }
-    return StoredHandle(params, hashes, tail, num, BS, epoch, "http://d", root.hex())
+    return StoredHandle(
+        params, record.digests, record.tail, num, BS, epoch, "http://d", root, record.prefix
+    )
 
 
 def plan(
@@ -70,23 +76,85 @@ def test_chain_hashes_depend_on_the_root():
     )
 
 
+def digests(ids, root=ROOT):
+    return block_digests(int32_le(ids), BS, root)
+
+
+def test_block_digests_one_per_full_block_salted_by_the_root():
+    a = digests([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert len(a) == 2 * DIGEST_SIZE
+    assert digests([1, 2, 3, 4, 5, 6, 7, 0])[:DIGEST_SIZE] == a[:DIGEST_SIZE]
+    assert digests([1, 2, 3, 4, 5, 6, 7, 0])[DIGEST_SIZE:] != a[DIGEST_SIZE:]
+    assert digests([1, 2, 3, 4], hash_root("m", "s1")) != digests(
+        [1, 2, 3, 4], hash_root("m", "s2")
+    )
+    assert digests([1, 2, 3, 4], hash_root("a", None)) != digests(
+        [1, 2, 3, 4], hash_root("b", None)
+    )
+
+
+def test_token_ids_hash_as_lists_do():
+    ids = checked_ids(list(range(50)))
+    assert ids is not None and ids.data == int32_le(range(50))
+    assert PromptHashes(ids, BS, ROOT).upto(99) == digests(list(range(50)))
+
+
 def test_prompt_hashes_extend_lazily_and_agree():
     prompt = list(range(50))
     lazy = PromptHashes(prompt, BS, ROOT)
-    assert lazy.upto(3) == chain_hashes(prompt[:12], BS, ROOT)
-    assert lazy.upto(12) == chain_hashes(prompt, BS, ROOT)
-    assert lazy.upto(99) == chain_hashes(prompt, BS, ROOT)
+    assert lazy.upto(3) == digests(prompt[:12])
+    assert lazy.upto(12) == digests(prompt)
+    assert lazy.upto(99) == digests(prompt)
 
 
 def test_held_record_reuses_the_prompts_hashes():
     prompt, output = list(range(1, 31)), [7, 8, 9, 10, 11]  # 30 + 5 tokens held, less the last
     lazy = PromptHashes(prompt, BS, ROOT)
     lazy.upto(3)  # verification hashed part of it already
-    hashes, tail = held_record(output, 34, lazy)
+    hashes, tail, prefix = held_record(output, 34, lazy)
     held = [*prompt, *output][:34]
-    assert hashes == chain_hashes(held[:32], BS, ROOT) and tail == held[32:]
-    short, tail = held_record(output, 10, PromptHashes(prompt, BS, ROOT))
-    assert short == chain_hashes(prompt[:8], BS, ROOT) and tail == prompt[8:10]
+    assert hashes == digests(held[:32]) and tail == held[32:]
+    assert prefix == PromptHashes(held, BS, ROOT).prefix_digest(32 * 4)
+    short, tail, prefix = held_record(output, 10, PromptHashes(prompt, BS, ROOT))
+    assert short == digests(prompt[:8]) and tail == prompt[8:10]
+    assert prefix == PromptHashes(prompt[:8], BS, ROOT).prefix_digest(8 * 4)
+
+
+def test_one_prefix_digest_verifies_every_block_and_a_miss_is_block_precise():
+    """Issue 23: a handle whose blocks are all the prompt's is verified by one digest over their
+    bytes (the prompt's per-block digests are then the handle's); any changed block fails it,
+    and the blocks are then compared one by one."""
+    h = handle()
+    assert h.prefix_digest
+    lazy = PromptHashes([*HELD, 7, 7], BS, ROOT)
+    assert verified_tokens(h, lazy) == 22
+    assert lazy.upto(5) == h.block_hashes  # adopted, not computed
+    for i in range(5):
+        prompt = list(HELD)
+        prompt[i * BS + 2] += 1000
+        assert verified_tokens(h, PromptHashes(prompt, BS, ROOT)) == i * BS
+    bare = replace(h, prefix_digest=b"")  # a record without one: block by block
+    assert verified_tokens(bare, PromptHashes([*HELD, 7], BS, ROOT)) == 22
+
+
+def test_prefix_digest_continues_and_restarts():
+    prompt = list(range(64))
+    whole = PromptHashes(prompt, BS, ROOT)
+    assert whole.prefix_digest(40) == PromptHashes(prompt, BS, ROOT).prefix_digest(40)
+    assert whole.prefix_digest(200) == PromptHashes(prompt[:50], BS, ROOT).prefix_digest(200)
+    assert whole.prefix_digest(40) == PromptHashes(prompt[:10], BS, ROOT).prefix_digest(40)
+    assert whole.prefix_digest(40) != PromptHashes(prompt, BS, hash_root("x", None)).prefix_digest(
+        40
+    )
+
+
+def test_a_changed_block_stops_verification_there():
+    """Every block of the verified prefix is compared, not only the last."""
+    h = handle()
+    for i in range(5):
+        prompt = list(HELD)
+        prompt[i * BS + 1] += 1000
+        assert verified_tokens(h, PromptHashes(prompt, BS, ROOT)) == i * BS
 
 
 def test_extension_is_verified_in_full():

@@ -15,6 +15,7 @@ from agentkv.protocol import kv_transfer as kvt
 from agentkv.router.config import RouterConfig
 from agentkv.router.identity import Resolved
 from agentkv.router.receipt import Receipt
+from agentkv.router.request import TokenIds
 from agentkv.router.sse import Captured
 from agentkv.router.store import StoredHandle, StoreKey, Taken
 from agentkv.router.turn.actions import (
@@ -69,9 +70,9 @@ class _Prefilled:
 def turn_plan(t: TurnInput, cfg: RouterConfig) -> Turn:
     """One turn, from the prompt's ids to D's first byte."""
     resolved: Resolved = yield Resolve()
-    ids = resolved.ids if resolved.ids is not None else t.prompt_ids
+    ids = TokenIds(resolved.ids) if resolved.ids is not None else t.prompt_ids
     if ids is None:
-        ids = list((yield Tokenize()))
+        ids = yield Tokenize()
     refused = _check_context(len(ids), t.max_tokens, t.context_limit)
     if refused is not None:
         return refused
@@ -308,7 +309,7 @@ def remember_plan(
     if job.pending is not None:
         # before the client can see the end of the turn (and send the next one)
         message = captured.assistant_message()
-        yield Record(job.pending, job.prompt.prompt, captured.output_ids, message)
+        yield Record(job.pending, job.prompt.ids(), captured.output_ids, message)
     handle = captured.handle
     try:
         parsed = KVTransferParams.from_wire(handle) if handle else None
@@ -318,16 +319,17 @@ def remember_plan(
         return "none"
     yield Identify(url, kvt.engine_id(handle))
     num = parsed.num_tokens
-    hashes, tail = held_record(captured.output_ids, num, job.prompt)
+    held = held_record(captured.output_ids, num, job.prompt)
     stored = StoredHandle(
         params=reachable(handle, url, side_channel_host),
-        block_hashes=hashes,
-        tail_tokens=tail,
+        block_hashes=held.digests,
+        tail_tokens=held.tail,
         num_tokens=num,
         block_size=job.prompt.block_size,
         epoch=job.epoch,
         decode_url=url,
-        root=job.prompt.root.hex(),
+        root=job.prompt.root,
+        prefix_digest=held.prefix,
     )
     if job.key is None:
         yield Release(stored, "anonymous")
