@@ -108,6 +108,21 @@ class ResponsesEncoder:
         return {"error": error}
 
     def chunk(self, chat: dict[str, Any]) -> list[bytes]:
+        open_ = self._open
+        if open_ is not None and open_.kind == "message" and not self._logprobs:
+            # the common chunk: one more token of the open message, nothing else
+            choices = chat.get("choices")
+            if choices and len(choices) == 1 and not chat.get("usage") and self._model is not None:
+                choice = choices[0]
+                delta = choice.get("delta")
+                if (
+                    choice.get("finish_reason") is None
+                    and isinstance(delta, dict)
+                    and len(delta) == 1
+                    and isinstance(text := delta.get("content"), str)
+                    and text
+                ):
+                    return [self._plain_text_delta(text)]
         out = self._started_frames(chat.get("model"))
         if chat.get("usage"):
             self._usage = chat["usage"]

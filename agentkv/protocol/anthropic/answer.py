@@ -232,6 +232,19 @@ class MessageStream:
         """The events for one chat completion chunk."""
         if self.ended:
             return []
+        if self.block_type == "text":  # the common chunk: one more token of an open text block
+            choices = chunk.get("choices")
+            if choices and len(choices) == 1:
+                choice = choices[0]
+                delta = choice.get("delta")
+                if (
+                    choice.get("finish_reason") is None
+                    and isinstance(delta, dict)
+                    and len(delta) == 1
+                    and isinstance(text := delta.get("content"), str)
+                    and text
+                ):
+                    return [self._delta(_TEXT, text)]
         out: list[bytes] = []
         if not self.started:
             self.started = True
