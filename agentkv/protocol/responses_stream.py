@@ -39,6 +39,16 @@ from agentkv.protocol.responses import (
 __all__ = ["ResponsesEncoder", "frame"]
 
 
+_TEXT_DELTA = (
+    b"event: response.output_text.delta\n"
+    b'data: {"type":"response.output_text.delta","sequence_number":'
+)
+_REASONING_DELTA = (
+    b"event: response.reasoning_text.delta\n"
+    b'data: {"type":"response.reasoning_text.delta","sequence_number":'
+)
+
+
 def frame(event: Mapping[str, Any]) -> bytes:
     """One event as vLLM's ``api_router.py`` writes it."""
     return b"event: " + str(event["type"]).encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
@@ -98,24 +108,43 @@ class ResponsesEncoder:
         return {"error": error}
 
     def chunk(self, chat: dict[str, Any]) -> list[bytes]:
-        events = self._start(chat.get("model"))
+        open_ = self._open
+        if open_ is not None and open_.kind == "message" and not self._logprobs:
+            # the common chunk: one more token of the open message, nothing else
+            choices = chat.get("choices")
+            if choices and len(choices) == 1 and not chat.get("usage") and self._model is not None:
+                choice = choices[0]
+                delta = choice.get("delta")
+                if (
+                    choice.get("finish_reason") is None
+                    and isinstance(delta, dict)
+                    and len(delta) == 1
+                    and isinstance(text := delta.get("content"), str)
+                    and text
+                ):
+                    return [self._plain_text_delta(text)]
+        out = self._started_frames(chat.get("model"))
         if chat.get("usage"):
             self._usage = chat["usage"]
         for choice in chat.get("choices") or []:
             if choice.get("finish_reason") is not None:
                 self._finish = choice["finish_reason"]
             delta = choice.get("delta") or {}
-            lps = response_logprobs(choice.get("logprobs")) if self._logprobs else []
             reasoning = delta.get("reasoning") or delta.get("reasoning_content")
             if reasoning and self._reasoning:
-                events += self._to("reasoning")
-                events += self._reasoning_delta(reasoning)
-            if delta.get("content"):
-                events += self._to("message")
-                events += self._text_delta(delta["content"], lps)
+                out += [frame(e) for e in self._to("reasoning")]
+                out.append(self._reasoning_delta(reasoning))
+            if content := delta.get("content"):
+                if self._open is None or self._open.kind != "message":
+                    out += [frame(e) for e in self._to("message")]
+                if self._logprobs:
+                    lps = response_logprobs(choice.get("logprobs"))
+                    out.append(frame(self._text_delta(content, lps)))
+                else:
+                    out.append(self._plain_text_delta(content))
             for call in delta.get("tool_calls") or []:
-                events += self._call(call)
-        return [frame(e) for e in events]
+                out += [frame(e) for e in self._call(call)]
+        return out
 
     def done(self) -> list[bytes]:
         if self.failed:
@@ -169,6 +198,23 @@ class ResponsesEncoder:
             self._event("response.in_progress", response=initial),
         ]
 
+    def _started_frames(self, model: Any) -> list[bytes]:
+        """:meth:`_start`'s events, framed, the initial response (which echoes the whole
+        ``instructions``) serialized once for both."""
+        if isinstance(model, str) and model and self._model is None:
+            self._model = model
+        if self._started:
+            return []
+        self._started = True
+        initial = orjson.dumps(self._snapshot())
+        out = []
+        for kind in (b"response.created", b"response.in_progress"):
+            seq = str(self._seq).encode()
+            self._seq += 1
+            data = b'{"type":"' + kind + b'","sequence_number":' + seq + b',"response":' + initial
+            out.append(b"event: " + kind + b"\ndata: " + data + b"}\n\n")
+        return out
+
     def _to(self, kind: str) -> list[dict[str, Any]]:
         """Close the open item unless it is of ``kind``, and open one of ``kind``."""
         if self._open is not None and self._open.kind == kind:
@@ -201,7 +247,7 @@ class ResponsesEncoder:
         )
         return events
 
-    def _text_delta(self, text: str, logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def _text_delta(self, text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
         assert self._open is not None
         self._open.text += text
         self._open.logprobs.extend(logprobs)
@@ -215,29 +261,45 @@ class ResponsesEncoder:
             }
             for lp in logprobs
         ]
-        return [
-            self._event(
-                "response.output_text.delta",
-                output_index=self._index,
-                item_id=self._open.item_id,
-                content_index=0,
-                delta=text,
-                logprobs=stream_lps,
-            )
-        ]
+        return self._event(
+            "response.output_text.delta",
+            output_index=self._index,
+            item_id=self._open.item_id,
+            content_index=0,
+            delta=text,
+            logprobs=stream_lps,
+        )
 
-    def _reasoning_delta(self, text: str) -> list[dict[str, Any]]:
+    def _plain_text_delta(self, text: str) -> bytes:
+        """:meth:`_text_delta` without logprobs, framed: the bytes ``frame`` writes for it."""
         assert self._open is not None
         self._open.text += text
-        return [
-            self._event(
-                "response.reasoning_text.delta",
-                output_index=self._index,
-                item_id=self._open.item_id,
-                content_index=0,
-                delta=text,
+        return self._delta_frame(_TEXT_DELTA, text, b',"logprobs":[]}\n\n')
+
+    def _reasoning_delta(self, text: str) -> bytes:
+        assert self._open is not None
+        self._open.text += text
+        return self._delta_frame(_REASONING_DELTA, text, b"}\n\n")
+
+    def _delta_frame(self, kind: bytes, text: str, tail: bytes) -> bytes:
+        """``frame`` of ``{"type", "sequence_number", "output_index", "item_id",
+        "content_index": 0, "delta"}`` and what ``tail`` closes, from a byte template."""
+        assert self._open is not None
+        seq = self._seq
+        self._seq += 1
+        return b"".join(
+            (
+                kind,
+                str(seq).encode(),
+                b',"output_index":',
+                str(self._index).encode(),
+                b',"item_id":',
+                orjson.dumps(self._open.item_id),
+                b',"content_index":0,"delta":',
+                orjson.dumps(text),
+                tail,
             )
-        ]
+        )
 
     def _call(self, call: Mapping[str, Any]) -> list[dict[str, Any]]:
         fn = call.get("function")

@@ -83,19 +83,43 @@ async def adapt(response: Response, encoder: Encoder) -> Response:
 
 
 async def _reencode(source: AsyncIterable[Any], encoder: Encoder) -> AsyncIterator[bytes]:
-    async for data in sse_events(source):
-        if data == b"[DONE]":
-            for event in encoder.done():
-                yield event
-            return
-        chunk = orjson.loads(data)
-        if "error" in chunk:
-            for event in encoder.stream_error(chunk["error"]):
-                yield event
+    """The chat stream's events in the encoder's API: one write per write of the turn core (the
+    events of the chunks it carried, joined), ``[DONE]`` ending it."""
+    buffer = b""
+    async for part in source:
+        buffer += part if isinstance(part, bytes) else str(part).encode()
+        if b"\n\n" not in buffer:
             continue
-        out = b"".join(encoder.chunk(chunk))
+        *events, buffer = buffer.split(b"\n\n")
+        out, done = _encode(events, encoder)
         if out:
             yield out
+        if done:
+            return
+    if buffer:
+        out, _ = _encode([buffer], encoder)
+        if out:
+            yield out
+
+
+def _encode(events: list[bytes], encoder: Encoder) -> tuple[bytes, bool]:
+    """The encoder's bytes for whole SSE ``events`` of the chat stream, and whether ``[DONE]``
+    was among them (then nothing after it counts)."""
+    out: list[bytes] = []
+    for event in events:
+        for line in event.split(b"\n") if b"\n" in event else (event,):
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                out.extend(encoder.done())
+                return b"".join(out), True
+            chunk = orjson.loads(data)
+            if "error" in chunk:
+                out.extend(encoder.stream_error(chunk["error"]))
+            else:
+                out.extend(encoder.chunk(chunk))
+    return b"".join(out), False
 
 
 async def sse_events(source: AsyncIterable[Any]) -> AsyncIterator[bytes]:

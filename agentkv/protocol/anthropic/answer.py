@@ -141,6 +141,15 @@ def _event(kind: str, data: dict[str, Any]) -> bytes:
     return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
 
 
+# ``content_block_delta`` events, the bulk of a stream, from byte templates: the bytes
+# ``_event`` writes for ``{"type": "content_block_delta", "index": i, "delta": {"type": t, f: v}}``
+_DELTA_HEAD = b'event: content_block_delta\ndata: {"type":"content_block_delta","index":'
+_TEXT = b',"delta":{"type":"text_delta","text":'
+_THINKING = b',"delta":{"type":"thinking_delta","thinking":'
+_SIGNATURE = b',"delta":{"type":"signature_delta","signature":'
+_INPUT_JSON = b',"delta":{"type":"input_json_delta","partial_json":'
+
+
 def _is_json(text: str) -> bool:
     try:
         json.loads(text)
@@ -187,11 +196,10 @@ class MessageStream:
             {"type": "content_block_start", "index": self.index, "content_block": block},
         )
 
-    def _delta(self, delta: dict[str, Any]) -> bytes:
+    def _delta(self, kind: bytes, value: str) -> bytes:
+        """A ``content_block_delta`` of the open block: ``kind`` is one of :data:`_DELTAS`."""
         index = self.block_index if self.block_index is not None else self.index
-        return _event(
-            "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
-        )
+        return _DELTA_HEAD + str(index).encode() + kind + orjson.dumps(value) + b"}}\n\n"
 
     def _stop(self) -> list[bytes]:
         """``stop_active_block``: the thinking block's signature, then its stop."""
@@ -199,7 +207,7 @@ class MessageStream:
             return []
         out = []
         if self.block_type == "thinking" and self.signature is not None:
-            out.append(self._delta({"type": "signature_delta", "signature": self.signature}))
+            out.append(self._delta(_SIGNATURE, self.signature))
         out.append(
             _event("content_block_stop", {"type": "content_block_stop", "index": self.block_index})
         )
@@ -215,7 +223,7 @@ class MessageStream:
         out = self._stop()
         if held:
             out.append(self._start({"type": "text", "text": ""}))
-            out.append(self._delta({"type": "text_delta", "text": held}))
+            out.append(self._delta(_TEXT, held))
             out.extend(self._stop())
         return out
 
@@ -224,6 +232,19 @@ class MessageStream:
         """The events for one chat completion chunk."""
         if self.ended:
             return []
+        if self.block_type == "text":  # the common chunk: one more token of an open text block
+            choices = chunk.get("choices")
+            if choices and len(choices) == 1:
+                choice = choices[0]
+                delta = choice.get("delta")
+                if (
+                    choice.get("finish_reason") is None
+                    and isinstance(delta, dict)
+                    and len(delta) == 1
+                    and isinstance(text := delta.get("content"), str)
+                    and text
+                ):
+                    return [self._delta(_TEXT, text)]
         out: list[bytes] = []
         if not self.started:
             self.started = True
@@ -253,7 +274,7 @@ class MessageStream:
             if self.block_type != "thinking":
                 out.extend(self._stop_and_flush())
                 out.append(self._start({"type": "thinking", "thinking": ""}))
-            out.append(self._delta({"type": "thinking_delta", "thinking": reasoning}))
+            out.append(self._delta(_THINKING, reasoning))
         if text := delta.get("content"):
             if self.block_type == "tool_use":
                 self.pending.append(text)
@@ -261,7 +282,7 @@ class MessageStream:
                 if self.block_type != "text":
                     out.extend(self._stop_and_flush())
                     out.append(self._start({"type": "text", "text": ""}))
-                out.append(self._delta({"type": "text_delta", "text": text}))
+                out.append(self._delta(_TEXT, text))
         for call in delta.get("tool_calls") or []:
             out.extend(self._tool_call(call))
         return out
@@ -285,7 +306,7 @@ class MessageStream:
             call_id = self.tool_ids.get(call.get("index", 0))
         if call_id is not None and arguments and self.tool_use_id == call_id:
             self.last_tool_args.append(arguments)
-            out.append(self._delta({"type": "input_json_delta", "partial_json": arguments}))
+            out.append(self._delta(_INPUT_JSON, arguments))
         return out
 
     def _message_delta(self, usage: dict[str, Any] | None) -> bytes:
