@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar, overload
 
 import openai
 from typing_extensions import Self
@@ -51,7 +51,7 @@ class _BaseClient(Generic[OpenAIT, R, V]):
             openai_client = openai_client.with_options(max_retries=0)
         self.openai: OpenAIT = openai_client
         self.retry = RetryPolicy.of(retries)
-        self.retries = self.retry.retries
+        """How failed requests are retried (``retries=``: an int is ``RetryPolicy(retries=n)``)."""
         if isinstance(renderer, str):
             if renderer != "remote":
                 raise ValueError(f"renderer must be 'remote' or {self._RENDERER} instance")
@@ -180,6 +180,10 @@ class AsyncClient(_BaseClient[openai.AsyncOpenAI, AsyncRenderer, AsyncConversati
         await self.close()
 
 
+@overload
+def wrap(client: openai.AsyncOpenAI, **kwargs: Any) -> AsyncClient: ...
+@overload
+def wrap(client: openai.OpenAI, **kwargs: Any) -> Client: ...
 def wrap(client: openai.OpenAI | openai.AsyncOpenAI, **kwargs: Any) -> Client | AsyncClient:
     """An agentkv client around an existing ``openai`` client."""
     if isinstance(client, openai.AsyncOpenAI):

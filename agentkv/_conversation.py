@@ -19,7 +19,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from typing_extensions import Self
 
 from agentkv._exceptions import ServerCapabilityError
-from agentkv._ledger import Ledger, RenderJob, TurnResult
+from agentkv._ledger import Ledger, RenderJob, SyncKind, TurnResult
 from agentkv._receipt import Drift, Mode, RewriteReport, TurnReceipt
 from agentkv._rendering import root_url
 from agentkv._telemetry import TurnSpan, start_turn_span
@@ -141,7 +141,7 @@ class _BaseConversation(Generic[ClientT]):
     def strip_reasoning(self) -> RewriteReport:
         return self._ledger.rewrite(self._ledger.without_reasoning(), "strip-reasoning")
 
-    def sync(self, messages: Sequence[Mapping[str, Any]]) -> str:
+    def sync(self, messages: Sequence[Mapping[str, Any]]) -> SyncKind:
         """Adopt a framework's full message list: ``same``, ``append`` (new messages added)
         or ``rewrite`` (history replaced, epoch bumped)."""
         kind = self._ledger.classify(messages)

@@ -40,7 +40,10 @@ from agentkv.protocol import (
 )
 from agentkv.protocol.prefix import common_prefix
 
-__all__ = ["STATE_VERSION", "Ledger", "RenderJob", "TurnResult"]
+__all__ = ["STATE_VERSION", "Ledger", "RenderJob", "SyncKind", "TurnResult"]
+
+SyncKind = Literal["same", "append", "rewrite"]
+"""What :meth:`Conversation.sync` found: the history, an extension of it, or a rewrite."""
 
 STATE_VERSION = 1
 _THINK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
@@ -470,9 +473,7 @@ class Ledger:
             ]
         )
 
-    def classify(
-        self, messages: Sequence[Mapping[str, Any]]
-    ) -> Literal["same", "append", "rewrite"]:
+    def classify(self, messages: Sequence[Mapping[str, Any]]) -> SyncKind:
         """Whether ``messages`` is the history, extends it, or rewrites it."""
         mine = [fingerprint(m) for m in self._messages]
         theirs = [fingerprint(_clean(m)) for m in messages]
