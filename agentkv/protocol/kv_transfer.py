@@ -25,6 +25,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
+    "BLOCK_IDS",
     "PULL_FIELDS",
     "HandleAddress",
     "KVTransferParams",
@@ -45,6 +46,8 @@ __all__ = [
     "with_owner_host",
 ]
 
+BLOCK_IDS = "remote_block_ids"
+"""The field holding D's block ids (one list per KV cache group): the bulk of a handle."""
 PULL_FIELDS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 """Fields that must all be present (with ``remote_block_ids``) for vLLM to start a read."""
 

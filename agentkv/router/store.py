@@ -39,7 +39,7 @@ from typing import Any, Literal, Protocol, TypeGuard
 
 import orjson
 
-from agentkv.protocol.kv_transfer import engine_id, handle_key
+from agentkv.protocol.kv_transfer import BLOCK_IDS, engine_id, handle_key
 
 __all__ = [
     "Bound",
@@ -95,7 +95,7 @@ class WireParams(Mapping[str, Any]):
         else:
             # copied: orjson's bytes keep the capacity of its output buffer (~500 KiB)
             self.raw = bytes(memoryview(orjson.dumps(dict(params))))
-        self._small = {k: v for k, v in params.items() if k != _BLOCK_IDS}
+        self._small = {k: v for k, v in params.items() if k != BLOCK_IDS}
 
     def decoded(self) -> dict[str, Any]:
         """A fresh dict of the params."""
@@ -103,12 +103,12 @@ class WireParams(Mapping[str, Any]):
         return value
 
     def __getitem__(self, key: str) -> Any:
-        if key == _BLOCK_IDS:
+        if key == BLOCK_IDS:
             return self.decoded()[key]
         return self._small[key]
 
     def __contains__(self, key: object) -> bool:
-        return key in self._small or (key == _BLOCK_IDS and len(self._small) != len(self))
+        return key in self._small or (key == BLOCK_IDS and len(self._small) != len(self))
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.decoded())
@@ -136,9 +136,6 @@ class WireParams(Mapping[str, Any]):
 
     def __repr__(self) -> str:
         return f"WireParams({self.decoded()!r})"
-
-
-_BLOCK_IDS = "remote_block_ids"
 
 
 @dataclass(frozen=True)
