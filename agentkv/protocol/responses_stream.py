@@ -20,6 +20,7 @@ from typing import Any
 
 import orjson
 
+from agentkv.protocol.chunks import plain_text
 from agentkv.protocol.responses import (
     LOGPROBS,
     ItemIds,
@@ -111,18 +112,9 @@ class ResponsesEncoder:
         open_ = self._open
         if open_ is not None and open_.kind == "message" and not self._logprobs:
             # the common chunk: one more token of the open message, nothing else
-            choices = chat.get("choices")
-            if choices and len(choices) == 1 and not chat.get("usage") and self._model is not None:
-                choice = choices[0]
-                delta = choice.get("delta")
-                if (
-                    choice.get("finish_reason") is None
-                    and isinstance(delta, dict)
-                    and len(delta) == 1
-                    and isinstance(text := delta.get("content"), str)
-                    and text
-                ):
-                    return [self._plain_text_delta(text)]
+            text = plain_text(chat) if not chat.get("usage") and self._model is not None else None
+            if text is not None:
+                return [self._plain_text_delta(text)]
         out = self._started_frames(chat.get("model"))
         if chat.get("usage"):
             self._usage = chat["usage"]

@@ -10,6 +10,8 @@ from typing import Any
 
 import orjson
 
+from agentkv.protocol.chunks import plain_text
+
 __all__ = ["MessageStream", "chat_to_message", "error_body", "error_type"]
 
 _ERROR_TYPES = {
@@ -233,18 +235,9 @@ class MessageStream:
         if self.ended:
             return []
         if self.block_type == "text":  # the common chunk: one more token of an open text block
-            choices = chunk.get("choices")
-            if choices and len(choices) == 1:
-                choice = choices[0]
-                delta = choice.get("delta")
-                if (
-                    choice.get("finish_reason") is None
-                    and isinstance(delta, dict)
-                    and len(delta) == 1
-                    and isinstance(text := delta.get("content"), str)
-                    and text
-                ):
-                    return [self._delta(_TEXT, text)]
+            text = plain_text(chunk)
+            if text is not None:
+                return [self._delta(_TEXT, text)]
         out: list[bytes] = []
         if not self.started:
             self.started = True
