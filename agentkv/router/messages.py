@@ -54,9 +54,6 @@ class MessagesEncoder:
     def done(self) -> Iterable[bytes]:
         return self.stream.done()
 
-    def error(self, status: int, error: dict[str, Any]) -> dict[str, Any]:
-        return anthropic.error_body(status, str(error.get("message") or "Upstream error."))
-
     def stream_error(self, error: dict[str, Any]) -> Iterable[bytes]:
         code = error.get("code")
         status = code if isinstance(code, int) and 400 <= code <= 599 else 500

@@ -605,8 +605,3 @@ def test_an_empty_stream_still_completes() -> None:
         "response.completed",
     ]
     assert events[-1]["response"]["output"] == []
-
-
-def test_errors_keep_openais_shape() -> None:
-    error = {"message": "No.", "type": "BadRequestError", "param": "input", "code": 400}
-    assert ResponsesEncoder({"input": "x"}).error(400, error) == {"error": error}
