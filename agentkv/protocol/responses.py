@@ -45,8 +45,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentkv.protocol.errors import APIError
+
 __all__ = [
-    "ResponsesRequestError",
     "chat_to_response",
     "history_items",
     "input_items",
@@ -114,14 +115,6 @@ _PASSTHROUGH = (
 )
 
 
-class ResponsesRequestError(ValueError):
-    """A Responses request that cannot be served (OpenAI's error shape, ``status``)."""
-
-    def __init__(self, message: str, *, param: str | None = None, status: int = 400) -> None:
-        super().__init__(message)
-        self.message, self.param, self.status = message, param, status
-
-
 def new_response_id() -> str:
     """A fresh response id (``resp_`` and 32 hex digits, as vLLM's ``random_uuid``)."""
     return f"resp_{uuid.uuid4().hex}"
@@ -158,19 +151,17 @@ def last_response_of(items: list[dict[str, Any]]) -> str | None:
     return None
 
 
-def not_found_error(response_id: str, *, previous: bool = True) -> dict[str, Any]:
-    """OpenAI's 404 body for an unknown response: a ``previous_response_id``, or (``previous``
+def not_found_error(response_id: str, *, previous: bool = True) -> APIError:
+    """OpenAI's 404 for an unknown response: a ``previous_response_id``, or (``previous``
     false) the id of ``GET``/``DELETE /v1/responses/{id}``."""
     shown = response_id if len(response_id) <= 80 else response_id[:80] + "…"
-    return {
-        "error": {
-            "message": f"{'Previous response' if previous else 'Response'} with id '{shown}' "
-            "not found.",
-            "type": "invalid_request_error",
-            "param": "previous_response_id" if previous else "response_id",
-            "code": "previous_response_not_found" if previous else "not_found",
-        }
-    }
+    return APIError(
+        404,
+        f"{'Previous response' if previous else 'Response'} with id '{shown}' not found.",
+        type="invalid_request_error",
+        param="previous_response_id" if previous else "response_id",
+        code="previous_response_not_found" if previous else "not_found",
+    )
 
 
 # -- tools ------------------------------------------------------------------------------------
@@ -195,7 +186,7 @@ class Tools:
 
 def _function(name: Any, tool: Mapping[str, Any], param: str) -> dict[str, Any]:
     if not isinstance(name, str) or not name:
-        raise ResponsesRequestError("A function tool needs a `name` (a string).", param=param)
+        raise APIError(400, "A function tool needs a `name` (a string).", param=param)
     fn: dict[str, Any] = {"name": name}
     for key in ("description", "parameters", "strict"):
         if tool.get(key) is not None:
@@ -210,10 +201,10 @@ def tools_of(raw: Any) -> Tools:
     if raw is None:
         return out
     if not isinstance(raw, list):
-        raise ResponsesRequestError("`tools` must be a list.", param="tools")
+        raise APIError(400, "`tools` must be a list.", param="tools")
     for i, tool in enumerate(raw):
         if not isinstance(tool, dict):
-            raise ResponsesRequestError("Each tool must be an object.", param=f"tools[{i}]")
+            raise APIError(400, "Each tool must be an object.", param=f"tools[{i}]")
         kind = tool.get("type")
         if kind == "function":
             out.chat.append(_function(tool.get("name"), tool, f"tools[{i}]"))
@@ -221,8 +212,10 @@ def tools_of(raw: Any) -> Tools:
             namespace = tool.get("name")
             inner = tool.get("tools")
             if not isinstance(namespace, str) or not isinstance(inner, list):
-                raise ResponsesRequestError(
-                    "A namespace tool needs a `name` and a list of `tools`.", param=f"tools[{i}]"
+                raise APIError(
+                    400,
+                    "A namespace tool needs a `name` and a list of `tools`.",
+                    param=f"tools[{i}]",
                 )
             for j, sub in enumerate(inner):
                 if not isinstance(sub, dict) or sub.get("type") != "function":
@@ -234,7 +227,8 @@ def tools_of(raw: Any) -> Tools:
         elif kind == "custom":
             fmt = tool.get("format")
             if isinstance(fmt, dict) and fmt.get("type") == "grammar":
-                raise ResponsesRequestError(
+                raise APIError(
+                    400,
                     "Custom tools with a grammar format are not supported; only free-form text "
                     "custom tools are accepted.",
                     param="tools",
@@ -243,7 +237,7 @@ def tools_of(raw: Any) -> Tools:
             out.chat.append(_function(tool.get("name"), shim, f"tools[{i}]"))
             out.custom.add(str(tool.get("name")))
         elif not isinstance(kind, str):
-            raise ResponsesRequestError("Each tool needs a `type`.", param=f"tools[{i}]")
+            raise APIError(400, "Each tool needs a `type`.", param=f"tools[{i}]")
         # any other type is a built-in tool: never shown to the model (as vLLM)
     out.names = {t["function"]["name"] for t in out.chat}
     return out
@@ -255,12 +249,14 @@ def _tool_choice(choice: Any, tools: Tools, has_tools: bool) -> Any:
         return "auto" if has_tools else "none"
     if choice in ("none", "required"):
         if choice == "required" and not has_tools:
-            raise ResponsesRequestError(
+            raise APIError(
+                400,
                 "Tool choice 'required' must be specified with 'tools' parameter.",
                 param="tool_choice",
             )
         if choice == "required" and not tools.chat:
-            raise ResponsesRequestError(
+            raise APIError(
+                400,
                 "tool_choice requires a function call, but tools contains no function tool the "
                 "model can call.",
                 param="tool_choice",
@@ -269,25 +265,29 @@ def _tool_choice(choice: Any, tools: Tools, has_tools: bool) -> Any:
     if isinstance(choice, dict) and choice.get("type") in ("function", "custom"):
         name = choice.get("name")
         if not isinstance(name, str) or not name or not has_tools:
-            raise ResponsesRequestError(
-                "Tool choice 'function' not found in 'tools' parameter.", param="tool_choice"
+            raise APIError(
+                400, "Tool choice 'function' not found in 'tools' parameter.", param="tool_choice"
             )
         if name not in tools.names:
             local = [flat for flat, (_, n) in tools.namespaced.items() if n == name]
             if len(local) > 1:
-                raise ResponsesRequestError(
+                raise APIError(
+                    400,
                     f"Tool choice '{name}' is ambiguous: it is defined in more than one namespace "
                     f"({', '.join(local)}). Select it by its full '<namespace>__<name>' name.",
                     param="tool_choice",
                 )
             if not local:
-                raise ResponsesRequestError(
-                    "Tool choice 'function' not found in 'tools' parameter.", param="tool_choice"
+                raise APIError(
+                    400,
+                    "Tool choice 'function' not found in 'tools' parameter.",
+                    param="tool_choice",
                 )
             name = local[0]
         return {"type": "function", "function": {"name": name}}
     kind = choice.get("type") if isinstance(choice, dict) else choice
-    raise ResponsesRequestError(
+    raise APIError(
+        400,
         f"tool_choice {kind!r} is not supported: the engine runs no built-in tools; offer a "
         "function tool instead.",
         param="tool_choice",
@@ -331,7 +331,7 @@ def _first_text(content: Any) -> str | None:
 def _str_field(item: Mapping[str, Any], key: str, kind: str) -> str:
     value = item.get(key)
     if not isinstance(value, str):
-        raise ResponsesRequestError(f"A `{kind}` item needs `{key}` (a string).", param="input")
+        raise APIError(400, f"A `{kind}` item needs `{key}` (a string).", param="input")
     return value
 
 
@@ -363,7 +363,7 @@ def _message(item: Mapping[str, Any], prev: dict[str, Any] | None) -> dict[str, 
         return {"role": "assistant", "tool_calls": [call]}
     if kind == "reasoning":
         if item.get("encrypted_content"):
-            raise ResponsesRequestError("Encrypted content is not supported.", param="input")
+            raise APIError(400, "Encrypted content is not supported.", param="input")
         reasoning = ""
         content, summary = item.get("content"), item.get("summary")
         if isinstance(content, list) and content:
@@ -394,7 +394,7 @@ def _message(item: Mapping[str, Any], prev: dict[str, Any] | None) -> dict[str, 
             message["name"] = item["name"]
         return message
     shown = kind if isinstance(kind, str) else type(kind).__name__
-    raise ResponsesRequestError(f"Unsupported input item type: {shown}", param="input")
+    raise APIError(400, f"Unsupported input item type: {shown}", param="input")
 
 
 def input_items(body: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -403,8 +403,8 @@ def input_items(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     if isinstance(raw, str):
         return [{"type": "message", "role": "user", "content": raw}]
     if not isinstance(raw, list) or not all(isinstance(i, dict) for i in raw):
-        raise ResponsesRequestError(
-            "`input` must be a string or a list of input items (objects).", param="input"
+        raise APIError(
+            400, "`input` must be a string or a list of input items (objects).", param="input"
         )
     return list(raw)
 
@@ -438,7 +438,7 @@ def _messages(
     messages: list[dict[str, Any]] = []
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
-        raise ResponsesRequestError("`instructions` must be a string.", param="instructions")
+        raise APIError(400, "`instructions` must be a string.", param="instructions")
     if instructions:
         messages.append({"role": "system", "content": instructions})
     # instructions do not carry over from a previous response (vLLM drops its system messages)
@@ -448,7 +448,7 @@ def _messages(
         if message is not None:
             messages.append(message)
     if not messages:
-        raise ResponsesRequestError("`input` must not be empty.", param="input")
+        raise APIError(400, "`input` must not be empty.", param="input")
     return messages, items
 
 
@@ -458,10 +458,10 @@ def _number(body: Mapping[str, Any], key: str, *, low: float, high: float | None
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ResponsesRequestError(f"`{key}` must be a number.", param=key)
+        raise APIError(400, f"`{key}` must be a number.", param=key)
     if value < low or (high is not None and value > high):
         bound = f"between {low} and {high}" if high is not None else f"at least {low}"
-        raise ResponsesRequestError(f"`{key}` must be {bound}, got {value}.", param=key)
+        raise APIError(400, f"`{key}` must be {bound}, got {value}.", param=key)
     return value
 
 
@@ -469,23 +469,26 @@ def _check(body: Mapping[str, Any]) -> None:
     """``ResponsesRequest``'s validators, and what agentkv does not serve."""
     if body.get("background"):
         if body.get("store") is False:
-            raise ResponsesRequestError(
-                "background can only be used when `store` is true", param="background"
+            raise APIError(
+                400, "background can only be used when `store` is true", param="background"
             )
-        raise ResponsesRequestError(
+        raise APIError(
+            400,
             "Background responses are not supported: send the request without `background`.",
             param="background",
         )
     if body.get("prompt") is not None:
-        raise ResponsesRequestError("prompt template is not supported", param="prompt")
+        raise APIError(400, "prompt template is not supported", param="prompt")
     if body.get("conversation") is not None:
-        raise ResponsesRequestError(
+        raise APIError(
+            400,
             "`conversation` (stored conversation objects) is not supported: send the whole "
             "input, or chain responses with `previous_response_id`.",
             param="conversation",
         )
     if body.get("previous_input_messages") and body.get("previous_response_id"):
-        raise ResponsesRequestError(
+        raise APIError(
+            400,
             "Only one of `previous_input_messages` and `previous_response_id` can be set.",
             param="previous_response_id",
         )
@@ -493,19 +496,19 @@ def _check(body: Mapping[str, Any]) -> None:
     if include is not None and (
         not isinstance(include, list) or not all(i in _INCLUDE for i in include)
     ):
-        raise ResponsesRequestError(
-            f"`include` must be a list of: {', '.join(sorted(_INCLUDE))}.", param="include"
+        raise APIError(
+            400, f"`include` must be a list of: {', '.join(sorted(_INCLUDE))}.", param="include"
         )
     for key in ("stream", "store", "parallel_tool_calls"):
         if body.get(key) is not None and not isinstance(body[key], bool):
-            raise ResponsesRequestError(f"`{key}` must be a boolean.", param=key)
+            raise APIError(400, f"`{key}` must be a boolean.", param=key)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise ResponsesRequestError("`model` must be a string.", param="model")
+        raise APIError(400, "`model` must be a string.", param="model")
     previous = body.get("previous_response_id")
     if previous is not None and (not isinstance(previous, str) or not previous):
-        raise ResponsesRequestError(
-            "`previous_response_id` must be a non-empty string.", param="previous_response_id"
+        raise APIError(
+            400, "`previous_response_id` must be a non-empty string.", param="previous_response_id"
         )
 
 
@@ -516,7 +519,7 @@ def responses_to_chat(
 
     ``previous_items``: the items of the ``previous_response_id`` chain (earlier inputs and
     outputs, oldest first), put before this request's input. Raises
-    :class:`ResponsesRequestError` for what vLLM (or agentkv) refuses.
+    :class:`APIError` for what vLLM (or agentkv) refuses.
     """
     _check(body)
     messages, items = _messages(body, previous_items)
@@ -533,8 +536,8 @@ def responses_to_chat(
     most = body.get("max_output_tokens")
     if most is not None:
         if isinstance(most, bool) or not isinstance(most, int) or most < 1:
-            raise ResponsesRequestError(
-                "`max_output_tokens` must be a positive integer.", param="max_output_tokens"
+            raise APIError(
+                400, "`max_output_tokens` must be a positive integer.", param="max_output_tokens"
             )
         chat["max_tokens"] = most
     for key, low, high in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0)):
@@ -547,11 +550,12 @@ def responses_to_chat(
     kwargs = dict(body.get("chat_template_kwargs") or {})
     reasoning = body.get("reasoning")
     if reasoning is not None and not isinstance(reasoning, dict):
-        raise ResponsesRequestError("`reasoning` must be an object.", param="reasoning")
+        raise APIError(400, "`reasoning` must be an object.", param="reasoning")
     effort = (reasoning or {}).get("effort")
     if effort is not None:
         if effort not in _EFFORTS:
-            raise ResponsesRequestError(
+            raise APIError(
+                400,
                 f"`reasoning.effort` must be one of {', '.join(sorted(_EFFORTS))}.",
                 param="reasoning.effort",
             )

@@ -105,9 +105,6 @@ class ResponsesEncoder:
         )
         return self.final
 
-    def error(self, status: int, error: dict[str, Any]) -> dict[str, Any]:
-        return {"error": error}
-
     def chunk(self, chat: dict[str, Any]) -> list[bytes]:
         open_ = self._open
         if open_ is not None and open_.kind == "message" and not self._logprobs:

@@ -28,15 +28,15 @@ import httpx
 import orjson
 from prometheus_client import Counter
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from agentkv.protocol.errors import error_body
-from agentkv.protocol.http import error_response, json_object
+from agentkv.protocol.errors import APIError, error_body
+from agentkv.protocol.http import json_object
 from agentkv.protocol.names import RouterMetric
 from agentkv.router.config import RouterConfig
+from agentkv.router.errors import router_error_handling
 from agentkv.router.guard import GuardedStore
 from agentkv.router.http import TransportError
 from agentkv.router.identity import Identity, RedisLedger
@@ -45,21 +45,15 @@ from agentkv.router.leases import MemoryLeases, RedisLeases
 from agentkv.router.logs import safe
 from agentkv.router.messages import (
     TemplateTraits,
-    anthropic_errors,
     chat_body,
     json_body,
     messages_api,
     with_api_key,
 )
 from agentkv.router.metrics import RouterMetrics
-from agentkv.router.pd import Router, UpstreamError
+from agentkv.router.pd import Router
 from agentkv.router.redis_store import RedisStore
-from agentkv.router.request import (
-    RouterError,
-    lease_seconds,
-    parse_request,
-    read_body,
-)
+from agentkv.router.request import lease_seconds, parse_request, read_body
 from agentkv.router.responses import ResponsesAPI
 from agentkv.router.responses_store import MemoryResponses, RedisResponses, ResponseStore
 from agentkv.router.retention import LeasesUnavailable
@@ -73,29 +67,6 @@ __all__ = ["create_app"]
 
 log = logging.getLogger("agentkv.router")
 Handler = Callable[[Request], Awaitable[Response]]
-
-
-def _guard(metrics: RouterMetrics, aborts: Counter, fn: Handler) -> Handler:
-    async def handler(request: Request) -> Response:
-        try:
-            return await fn(request)
-        except RouterError as exc:
-            metrics.failed.labels(str(exc.status)).inc()
-            return error_response(exc.status, exc.message, exc.param, close=exc.close)
-        except ClientDisconnect:
-            # the client hung up before its request was in: nothing to answer, nothing failed
-            aborts.labels("upload").inc()
-            log.info("client hung up during upload path=%s", safe(request.url.path))
-            return Response(status_code=499)
-        except UpstreamError as exc:
-            metrics.failed.labels(str(exc.status)).inc()
-            return Response(exc.body, status_code=exc.status, media_type="application/json")
-        except Exception:
-            log.exception("router failure")
-            metrics.failed.labels("500").inc()
-            return error_response(500, "Internal router error.")
-
-    return handler
 
 
 def create_app(
@@ -208,7 +179,7 @@ def create_app(
             with extracted(headers):  # the client's traceparent: the parent of the turn's span
                 return await router.turn(req)
 
-        return _guard(metrics, aborts, handler)
+        return handler
 
     traits = TemplateTraits()
 
@@ -248,9 +219,9 @@ def create_app(
                     engine.failed(config.eject_after_failures)
                     continue
                 return Response(r.content, status_code=r.status_code, media_type="application/json")
-            raise RouterError(503, f"No prefill instance answered {path}.")
+            raise APIError(503, f"No prefill instance answered {path}.")
 
-        return _guard(metrics, aborts, handler)
+        return handler
 
     async def models(request: Request) -> Response:
         tenant_for(request.headers.get("authorization"))
@@ -261,7 +232,7 @@ def create_app(
                 continue
             if r.status_code == 200:
                 return Response(r.content, media_type="application/json")
-        raise RouterError(503, "No decode instance answered /v1/models.")
+        raise APIError(503, "No decode instance answered /v1/models.")
 
     async def health(request: Request) -> Response:
         # ok once every role has an instance that answered since start and is in rotation;
@@ -293,7 +264,7 @@ def create_app(
 
     async def metrics_route(request: Request) -> Response:
         if not open_admin and not is_admin(request.headers.get("authorization")):
-            raise RouterError(401, "/metrics needs an admin key (Authorization: Bearer <key>).")
+            raise APIError(401, "/metrics needs an admin key (Authorization: Bearer <key>).")
         return await metrics_text(request)
 
     metrics_app = Starlette(routes=[Route("/metrics", metrics_text, methods=["GET"])])
@@ -312,7 +283,7 @@ def create_app(
         body = await _json_object(request)
         seconds = lease_seconds(body.get("lease_s"))
         if seconds is None:
-            raise RouterError(400, "`lease_s` is required.", param="lease_s")
+            raise APIError(400, "`lease_s` is required.", param="lease_s")
         return tenant, body, seconds
 
     async def renew(tenant: str, conversations: list[str], seconds: float) -> list[dict[str, Any]]:
@@ -321,7 +292,7 @@ def create_app(
         try:
             granted, refusals = await router.retention.renew_held(tenant, conversations, seconds)
         except LeasesUnavailable as exc:
-            raise RouterError(503, str(exc)) from exc
+            raise APIError(503, str(exc)) from exc
         return [
             {"id": c, "object": "conversation.lease", "lease_s": granted}
             if r is None
@@ -333,7 +304,7 @@ def create_app(
         tenant, _, seconds = await lease_call(request)
         [item] = await renew(tenant, [request.path_params["conversation_id"]], seconds)
         if "error" in item:
-            raise RouterError(item["error"]["code"], item["error"]["message"])
+            raise APIError(item["error"]["code"], item["error"]["message"])
         return JSONResponse(item)
 
     async def leases_batch(request: Request) -> Response:
@@ -344,70 +315,32 @@ def create_app(
             or len(ids) > 10_000
             or not all(isinstance(i, str) and 0 < len(i) <= 512 for i in ids)
         ):
-            raise RouterError(
+            raise APIError(
                 400, "`ids` must be a list of at most 10000 conversation ids.", param="ids"
             )
         return JSONResponse({"object": "list", "data": await renew(tenant, ids, seconds)})
 
     routes = [
         Route("/v1/chat/completions", generate(True), methods=["POST"]),
-        Route("/v1/conversations/leases", _guard(metrics, aborts, leases_batch), methods=["POST"]),
-        Route(
-            "/v1/conversations/{conversation_id:path}/lease",
-            _guard(metrics, aborts, lease),
-            methods=["POST"],
-        ),
+        Route("/v1/conversations/leases", leases_batch, methods=["POST"]),
+        Route("/v1/conversations/{conversation_id:path}/lease", lease, methods=["POST"]),
         Route("/v1/completions", generate(False), methods=["POST"]),
-        Route("/v1/responses", _guard(metrics, aborts, responses.create), methods=["POST"]),
-        Route(
-            "/v1/responses/{response_id}",
-            _guard(metrics, aborts, responses.retrieve),
-            methods=["GET"],
-        ),
-        Route(
-            "/v1/responses/{response_id}",
-            _guard(metrics, aborts, responses.delete),
-            methods=["DELETE"],
-        ),
-        Route("/v1/messages", messages_api(_guard(metrics, aborts, messages)), methods=["POST"]),
-        Route(
-            "/v1/messages/count_tokens",
-            anthropic_errors(_guard(metrics, aborts, count_tokens)),
-            methods=["POST"],
-        ),
+        Route("/v1/responses", responses.create, methods=["POST"]),
+        Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
+        Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
+        Route("/v1/messages", messages_api(messages), methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
         Route("/tokenize", passthrough("/tokenize"), methods=["POST"]),
         Route("/detokenize", passthrough("/detokenize"), methods=["POST"]),
-        Route("/v1/models", _guard(metrics, aborts, models), methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
-        Route(
-            "/v1/conversations/{conversation_id:path}",
-            _guard(metrics, aborts, close),
-            methods=["DELETE"],
-        ),
+        Route("/v1/conversations/{conversation_id:path}", close, methods=["DELETE"]),
     ]
     if config.metrics_port is None:
-        routes.append(Route("/metrics", _guard(metrics, aborts, metrics_route), methods=["GET"]))
-    app = Starlette(
-        routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error}
-    )
+        routes.append(Route("/metrics", metrics_route, methods=["GET"]))
+    app = Starlette(routes=routes, lifespan=lifespan, **router_error_handling(metrics, aborts))
     app.state.router = router
     return app
-
-
-async def _http_error(request: Request, exc: Exception) -> Response:
-    """Starlette's own answers (an unknown path: 404, a method a path does not take: 405 with
-    ``Allow``) in OpenAI's error shape, as OpenAI words them."""
-    assert isinstance(exc, HTTPException)
-    path = request.url.path if len(request.url.path) <= 200 else request.url.path[:200] + "..."
-    if exc.status_code == 404:
-        message = f"Invalid URL ({request.method} {path})"
-    elif exc.status_code == 405:
-        message = f"Method {request.method} not allowed for {path}."
-    else:
-        message = exc.detail
-    response = error_response(exc.status_code, message)
-    response.headers.update(exc.headers or {})
-    return response
 
 
 class EvictionReport:
@@ -441,7 +374,7 @@ async def _json_object(request: Request) -> dict[str, Any]:
     try:
         return json_object(raw or b"{}")
     except ValueError as exc:
-        raise RouterError(400, str(exc)) from exc
+        raise APIError(400, str(exc)) from exc
 
 
 def response_store(config: RouterConfig, handles: HandleStore) -> ResponseStore:

@@ -4,7 +4,8 @@ A codec turns its API's request into one Chat Completions body (what the engines
 maps ``/v1/messages`` and ``/v1/responses`` onto its chat path the same way), and the turn's
 answer back into its API: a JSON body, an SSE stream of its own events, or an error in its own
 shape. :func:`adapt` applies a codec's :class:`Encoder` to the Response the turn core returned;
-the receipt headers pass unchanged.
+the receipt headers pass unchanged. Errors the turn raises are rendered in each API's shape by the
+app's exception handlers (:mod:`agentkv.protocol.http`), not here.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, Protocol
 import orjson
 from starlette.responses import Response, StreamingResponse
 
+from agentkv.protocol.errors import UpstreamError
 from agentkv.protocol.http import ORJSONResponse
 
 __all__ = ["Encoder", "adapt", "sse_events"]
@@ -38,10 +40,6 @@ class Encoder(Protocol):
         """The API's closing events, after the chat stream's ``[DONE]``."""
         ...
 
-    def error(self, status: int, error: dict[str, Any]) -> dict[str, Any]:
-        """An OpenAI-shaped ``error`` object as the API's error body."""
-        ...
-
     def stream_error(self, error: dict[str, Any]) -> Iterable[bytes]:
         """An error event in the middle of a stream (the chat stream's ``{"error": …}``)."""
         ...
@@ -62,15 +60,12 @@ async def _body(response: Response) -> bytes:
 
 
 async def adapt(response: Response, encoder: Encoder) -> Response:
-    """The turn core's Chat Completions answer (or OpenAI-shaped error), in the encoder's API."""
+    """The turn core's Chat Completions answer in the encoder's API. An error response (the turn
+    core raises its errors; an OpenAI-shaped body) is raised as an :class:`UpstreamError`, for the
+    app's exception handlers to render in the API's shape."""
     headers = _headers(response)
     if response.status_code != 200:
-        try:
-            error = orjson.loads(await _body(response)).get("error") or {}
-        except (orjson.JSONDecodeError, AttributeError):
-            error = {"message": "Upstream error.", "type": "api_error"}
-        body = encoder.error(response.status_code, error)
-        return ORJSONResponse(body, status_code=response.status_code, headers=headers)
+        raise UpstreamError(response.status_code, await _body(response))
     if not (response.media_type or "").startswith("text/event-stream"):
         chat = orjson.loads(await _body(response))
         return ORJSONResponse(encoder.response(chat), headers=headers)

@@ -1,14 +1,19 @@
-"""A handle store that never fails a turn: errors become misses, behind a circuit breaker.
+"""A handle store that never fails a turn: its failures become misses, behind a circuit breaker.
 
-The handle store is an accelerator. When it fails (Redis down, restarting, too slow), a turn
-loses its reuse, never its answer: reads return nothing, writes are dropped (the caller releases
-what it could not store), and after ``failures_to_open`` consecutive errors the breaker opens for
-``open_s`` seconds, during which the store is not called at all (a dead Redis is not hammered and
-turns do not wait on its timeouts). Then one call is let through to probe it (half-open).
+The handle store is an accelerator. When it fails (Redis down, restarting, too slow, read-only
+after a failover, out of memory: :data:`STORE_FAILURES`), a turn loses its reuse, never its
+answer: reads return nothing, writes are dropped (the caller releases what it could not store),
+and after ``failures_to_open`` consecutive failures the breaker opens for ``open_s`` seconds,
+during which the store is not called at all (a dead Redis is not hammered and turns do not wait
+on its timeouts). Then one call is let through to probe it (half-open).
+
+Any other exception is a bug, not an outage: it propagates (the request fails with a 500 and a
+logged traceback) instead of passing for a miss, and does not count towards the breaker.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -16,14 +21,31 @@ from typing import TypeVar
 
 from agentkv.router.store import HandleStore, StoredHandle, StoreKey, Taken
 
-__all__ = ["GuardedStore", "StoreUnavailable"]
+__all__ = ["STORE_FAILURES", "GuardedStore"]
 
 log = logging.getLogger("agentkv.router")
 T = TypeVar("T")
 
 
-class StoreUnavailable(Exception):
-    """A write the store did not take (the caller releases the handle instead)."""
+def _store_failures() -> tuple[type[Exception], ...]:
+    failures: tuple[type[Exception], ...] = (OSError, asyncio.TimeoutError)
+    try:
+        from redis.exceptions import (
+            ConnectionError,
+            OutOfMemoryError,
+            ReadOnlyError,
+            TimeoutError,
+        )
+    except ImportError:  # no redis library: no Redis store
+        return failures
+    return (*failures, ConnectionError, TimeoutError, ReadOnlyError, OutOfMemoryError)
+
+
+STORE_FAILURES = _store_failures()
+"""What a store raises when it fails rather than when the router has a bug: ``OSError`` (sockets;
+asyncio's timeouts) and, with the redis library installed, Redis's connection errors (refused,
+reset, loading, authentication), timeouts, and the refusals of a server that is up but cannot
+write (``READONLY``: a replica after a failover; ``OOM``: ``maxmemory`` with no eviction)."""
 
 
 class GuardedStore:
@@ -55,7 +77,7 @@ class GuardedStore:
             return fallback
         try:
             result = await fn()
-        except Exception as exc:  # the store's own errors: redis, network, timeouts
+        except STORE_FAILURES as exc:
             self._failures += 1
             if self._failures >= self._failures_to_open:
                 self._open_until = self._clock() + self._open_s
@@ -106,5 +128,5 @@ class GuardedStore:
     async def aclose(self) -> None:
         try:
             await self.inner.aclose()
-        except Exception as exc:
+        except STORE_FAILURES as exc:
             log.warning("closing the handle store failed: %s", exc)

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import orjson
 
+from agentkv.protocol.errors import UpstreamError
 from agentkv.protocol.exact import (
     AppendJob,
     ChatCall,
@@ -59,7 +60,6 @@ from agentkv.protocol.exact import (
     is_fixed,
     run_plan_async,
 )
-from agentkv.router.errors import UpstreamError
 from agentkv.router.logs import safe
 from agentkv.router.request import ClientRequest
 from agentkv.router.store import StoreKey

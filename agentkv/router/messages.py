@@ -21,15 +21,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from agentkv.protocol import anthropic
-from agentkv.protocol.http import ORJSONResponse, json_object
+from agentkv.protocol.errors import APIError, UpstreamError
+from agentkv.protocol.http import json_object
 from agentkv.router.edge import adapt
-from agentkv.router.pd import Router, UpstreamError
-from agentkv.router.request import ClientRequest, RouterError
+from agentkv.router.pd import Router
+from agentkv.router.request import ClientRequest
 
 __all__ = [
     "MessagesEncoder",
     "TemplateTraits",
-    "anthropic_errors",
     "chat_body",
     "messages_api",
     "with_api_key",
@@ -53,9 +53,6 @@ class MessagesEncoder:
 
     def done(self) -> Iterable[bytes]:
         return self.stream.done()
-
-    def error(self, status: int, error: dict[str, Any]) -> dict[str, Any]:
-        return anthropic.error_body(status, str(error.get("message") or "Upstream error."))
 
     def stream_error(self, error: dict[str, Any]) -> Iterable[bytes]:
         code = error.get("code")
@@ -114,7 +111,7 @@ class TemplateTraits:
                     self.merge_inline_system = False
                 except UpstreamError:
                     self.merge_inline_system = True
-                except RouterError:
+                except APIError:
                     return True  # no P answered: the turn fails anyway; ask again next time
                 log.info("messages: inline system messages merged: %s", self.merge_inline_system)
             return self.merge_inline_system
@@ -146,21 +143,21 @@ class TemplateTraits:
 
 
 def json_body(raw: bytes) -> dict[str, Any]:
-    """A request body that must be a JSON object (400 :class:`RouterError`)."""
+    """A request body that must be a JSON object (400 :class:`APIError`)."""
     try:
         return json_object(raw)
     except ValueError as exc:
-        raise RouterError(400, str(exc)) from exc
+        raise APIError(400, str(exc)) from exc
 
 
 async def chat_body(
     body: dict[str, Any], router: Router, traits: TemplateTraits, *, count_tokens: bool = False
 ) -> dict[str, Any]:
-    """The Chat Completions body for an Anthropic request body (400 :class:`RouterError`)."""
+    """The Chat Completions body for an Anthropic request body (400 :class:`APIError`)."""
     try:
         request = anthropic.parse_request(body, count_tokens=count_tokens)
     except ValueError as exc:
-        raise RouterError(400, str(exc)) from exc
+        raise APIError(400, str(exc)) from exc
     has_inline_system = any(m.role == "system" for m in request.messages)
     merge = await traits.merge(router) if has_inline_system else False
     effort = await traits.effort(router) if request.thinking_disabled else "none"
@@ -169,26 +166,12 @@ async def chat_body(
             request, body, merge_inline_system=merge, disabled_thinking_effort=effort
         )
     except ValueError as exc:
-        raise RouterError(400, str(exc)) from exc
-
-
-async def _as_anthropic_error(response: Response) -> Response:
-    if response.status_code == 200:
-        return response
-    return await adapt(response, MessagesEncoder())
-
-
-def anthropic_errors(handler: Handler) -> Handler:
-    """``handler``'s errors (OpenAI's shape, as the router answers them) in Anthropic's."""
-
-    async def wrapped(request: Request) -> Response:
-        return await _as_anthropic_error(await handler(request))
-
-    return wrapped
+        raise APIError(400, str(exc)) from exc
 
 
 def messages_api(handler: Handler) -> Handler:
-    """``handler``'s Chat Completions answer (or error) as the Messages API's."""
+    """``handler``'s Chat Completions answer (or an error it returned) as the Messages API's
+    (an error it raises is rendered in Anthropic's shape by the app's exception handlers)."""
 
     async def wrapped(request: Request) -> Response:
         response = await handler(request)
@@ -196,7 +179,6 @@ def messages_api(handler: Handler) -> Handler:
             return await adapt(response, MessagesEncoder())
         except ValueError as exc:  # an answer with no Anthropic form (a tool call's bad JSON)
             log.warning("messages: answer not converted: %s", exc)
-            body = anthropic.error_body(500, f"The model's answer could not be converted: {exc}")
-            return ORJSONResponse(body, status_code=500)
+            raise APIError(500, f"The model's answer could not be converted: {exc}") from exc
 
     return wrapped

@@ -22,10 +22,10 @@ from opentelemetry import trace
 from starlette.responses import Response, StreamingResponse
 
 from agentkv.protocol import HEADER_SIM_ENGINE_ID, KVTransferParams
+from agentkv.protocol.errors import APIError, UpstreamError
 from agentkv.protocol.http import ORJSONResponse
 from agentkv.router import turn as core
 from agentkv.router.config import RouterConfig
-from agentkv.router.errors import UpstreamError
 from agentkv.router.guard import GuardedStore
 from agentkv.router.http import Timeout, TransportError
 from agentkv.router.identity import Identity, MemoryLedger
@@ -35,7 +35,7 @@ from agentkv.router.metrics import RouterMetrics
 from agentkv.router.prompts import Tokenizer
 from agentkv.router.receipt import Receipt, account, sim_receipt
 from agentkv.router.relay import Relay, StreamOutcome
-from agentkv.router.request import ClientRequest, RouterError, TokenIds, wire_ids
+from agentkv.router.request import ClientRequest, TokenIds, wire_ids
 from agentkv.router.retention import Retention
 from agentkv.router.sse import Captured, clean_response, synthesize_stream
 from agentkv.router.store import StoredHandle
@@ -49,7 +49,7 @@ from agentkv.router.upstream import (
     pick_prefill_by_prefix,
 )
 
-__all__ = ["LocalPrefix", "Receipt", "Router", "UpstreamError"]
+__all__ = ["LocalPrefix", "Receipt", "Router"]
 
 log = logging.getLogger("agentkv.router")
 _tracer = trace.get_tracer("agentkv.router")
@@ -285,7 +285,7 @@ class Router:
         if isinstance(end, core.Fail):
             if end.body is not None:
                 raise UpstreamError(end.status, end.body)
-            raise RouterError(end.status, end.message, param=end.param)
+            raise APIError(end.status, end.message, param=end.param)
         ids = list(end.prompt)
         account(
             self.metrics, req, ids, end.receipt, end.prefill_url, end.decode_url, span, turn.started

@@ -9,8 +9,8 @@ from typing import Any
 
 import orjson
 
+from agentkv.protocol.errors import APIError, UpstreamError
 from agentkv.router.config import RouterConfig
-from agentkv.router.errors import RouterError, UpstreamError
 from agentkv.router.http import TransportError
 from agentkv.router.logs import safe
 from agentkv.router.metrics import RouterMetrics
@@ -52,7 +52,7 @@ class Tokenizer:
                 body["prompt"] = body["prompt"][0]
         ids = checked_ids((await self.ask("/tokenize", body)).get("tokens"))
         if ids is None:
-            raise RouterError(502, "The prefill instance's /tokenize returned no token ids.")
+            raise APIError(502, "The prefill instance's /tokenize returned no token ids.")
         return ids
 
     async def ask(self, path: str, body: dict[str, Any]) -> Any:
@@ -77,4 +77,4 @@ class Tokenizer:
                 raise UpstreamError(r.status_code, r.content)
             last = RuntimeError(f"{path} answered {r.status_code}")
         log.warning("could not tokenize a prompt: %s", safe(repr(last)))
-        raise RouterError(503, "Could not tokenize the prompt: no prefill instance answered.")
+        raise APIError(503, "Could not tokenize the prompt: no prefill instance answered.")

@@ -26,16 +26,15 @@ from agentkv.protocol import (
     HEADER_EPOCH,
     HEADER_LEASE,
 )
+from agentkv.protocol.errors import APIError
 from agentkv.protocol.http import json_object
 from agentkv.router.config import RouterConfig
-from agentkv.router.errors import RouterError
 from agentkv.router.session import conversation_of
 from agentkv.router.tenancy import ANONYMOUS, Caller
 
 __all__ = [
     "MAX_TOKEN_ID",
     "ClientRequest",
-    "RouterError",
     "TokenIds",
     "checked_ids",
     "parse_request",
@@ -50,6 +49,9 @@ _EPOCH = re.compile(r"-?[0-9]{1,19}")
 _SALT_FORBIDDEN = ("@", "/", "\\", "\0")
 _MAX_SALT = 128  # vLLM's limit on cache_salt
 
+_CLOSE = {"connection": "close"}
+"""On a refusal before the request body was read to its end: the rest is not read."""
+
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The request's body, never more than ``limit`` bytes of it in memory: a declared
@@ -60,15 +62,15 @@ async def read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None:
         if not (declared.strip().isascii() and declared.strip().isdigit()):
-            raise RouterError(400, "Invalid Content-Length header.", close=True)
+            raise APIError(400, "Invalid Content-Length header.", headers=_CLOSE)
         if int(declared) > limit:
-            raise RouterError(413, f"Request body larger than {limit} bytes.", close=True)
+            raise APIError(413, f"Request body larger than {limit} bytes.", headers=_CLOSE)
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise RouterError(413, f"Request body larger than {limit} bytes.", close=True)
+            raise APIError(413, f"Request body larger than {limit} bytes.", headers=_CLOSE)
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -194,7 +196,7 @@ def _check_salt(value: Any) -> str | None:
         or len(value) > _MAX_SALT
         or any(c in value for c in _SALT_FORBIDDEN)
     ):
-        raise RouterError(
+        raise APIError(
             400,
             "`cache_salt` must be a non-empty string of at most 128 characters without "
             "'@', '/', '\\' or NUL.",
@@ -277,7 +279,7 @@ def checked_ids(value: Any) -> TokenIds | None:
 def _ids(value: Any, param: str) -> TokenIds:
     ids = checked_ids(value)
     if ids is None:
-        raise RouterError(
+        raise APIError(
             400,
             f"`{param}` must be a non-empty list of token ids (integers from 0 to {MAX_TOKEN_ID}).",
             param=param,
@@ -291,7 +293,7 @@ def _epoch(raw: str) -> int:
     if _EPOCH.fullmatch(value) and -INT64_MAX - 1 <= int(value) <= INT64_MAX:
         return int(value)
     shown = raw if len(raw) <= 40 else raw[:40] + "…"
-    raise RouterError(
+    raise APIError(
         400, f"{HEADER_EPOCH} must be an integer in int64's range, got {shown!r}.", param=None
     )
 
@@ -305,24 +307,24 @@ def parse_request(
     session_body: dict[str, Any] | None = None,
     caller: Caller = ANONYMOUS,
 ) -> ClientRequest:
-    """Parse and check a request body and its headers (raises :class:`RouterError`) for
+    """Parse and check a request body and its headers (raises :class:`APIError`) for
     ``caller`` (its API key's tenant: :meth:`~agentkv.router.tenancy.Tenancy.tenant_for`).
 
     ``session_body``: the body as the client sent it, when ``raw`` is another API's request
     converted to Chat Completions (its session signals, such as Claude Code's
     ``metadata.user_id``, are read there)."""
     if len(raw) > config.max_body_bytes:
-        raise RouterError(413, f"Request body larger than {config.max_body_bytes} bytes.")
+        raise APIError(413, f"Request body larger than {config.max_body_bytes} bytes.")
     try:
         body = json_object(raw)
     except ValueError as exc:
-        raise RouterError(400, str(exc)) from exc
+        raise APIError(400, str(exc)) from exc
     try:
         model = (_Chat if chat else _Completion).model_validate(body)
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = ".".join(str(p) for p in first["loc"])
-        raise RouterError(400, f"Invalid `{loc}`: {first['msg']}.", param=loc or None) from None
+        raise APIError(400, f"Invalid `{loc}`: {first['msg']}.", param=loc or None) from None
     for name in _READ_BY_ROUTER:
         if name in body:
             value = getattr(model, name)
@@ -333,14 +335,14 @@ def parse_request(
     epoch = _epoch(headers.get(HEADER_EPOCH.lower(), "0"))
     conversation, source = conversation_of(headers, session_body or body)
     if conversation is not None and len(conversation) > 512:
-        raise RouterError(400, "The conversation id is longer than 512 characters.")
+        raise APIError(400, "The conversation id is longer than 512 characters.")
     body.pop(BODY_CONVERSATION_ID, None)
     # A client never sends its own transfer handle; only exact prompt ids are honoured.
     params = body.pop(BODY_KV_TRANSFER_PARAMS, None) or {}
     prompt_ids = None
     if BODY_PROMPT_TOKEN_IDS in params:
         if not chat:
-            raise RouterError(400, "kv_transfer_params.prompt_token_ids is for the chat endpoint.")
+            raise APIError(400, "kv_transfer_params.prompt_token_ids is for the chat endpoint.")
         prompt_ids = _ids(params[BODY_PROMPT_TOKEN_IDS], "kv_transfer_params.prompt_token_ids")
     elif not chat:
         prompt = body.get("prompt")
@@ -349,7 +351,7 @@ def parse_request(
         if isinstance(prompt, list) and prompt and type(prompt[0]) is int:
             prompt_ids = _ids(prompt, "prompt")
         elif isinstance(prompt, list) and len(prompt) != 1:
-            raise RouterError(
+            raise APIError(
                 400, "The router serves one prompt per completions request.", param="prompt"
             )
     effective = caller.cache_salt(client_salt)
@@ -379,7 +381,7 @@ def lease_seconds(raw: Any) -> float | None:
     except (TypeError, ValueError):
         value = math.nan
     if not (0 < value <= 86_400):
-        raise RouterError(
+        raise APIError(
             400, f"{HEADER_LEASE} must be a number of seconds in (0, 86400], got {str(raw)[:40]!r}."
         )
     return value

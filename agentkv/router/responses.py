@@ -31,9 +31,9 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from agentkv.protocol.errors import APIError
 from agentkv.protocol.http import ORJSONResponse, json_object
 from agentkv.protocol.responses import (
-    ResponsesRequestError,
     history_items,
     input_items,
     last_response_of,
@@ -46,7 +46,7 @@ from agentkv.router.config import RouterConfig
 from agentkv.router.edge import adapt
 from agentkv.router.logs import safe
 from agentkv.router.pd import Router
-from agentkv.router.request import RouterError, parse_request, read_body
+from agentkv.router.request import parse_request, read_body
 from agentkv.router.responses_store import ResponseStore, StoredResponse
 from agentkv.router.tenancy import Tenancy
 from agentkv.router.tracing import extracted
@@ -72,17 +72,14 @@ class ResponsesAPI:
         try:
             body = json_object(raw)
         except ValueError as exc:
-            raise RouterError(400, str(exc)) from exc
+            raise APIError(400, str(exc)) from exc
         previous: StoredResponse | None = None
         previous_id = body.get("previous_response_id")
         if isinstance(previous_id, str) and previous_id:
             previous = await self._load(tenant, previous_id)
             if previous is None:
-                return ORJSONResponse(not_found_error(previous_id), status_code=404)
-        try:
-            chat = responses_to_chat(body, previous.items if previous else None)
-        except ResponsesRequestError as exc:
-            raise RouterError(exc.status, exc.message, param=exc.param) from None
+                raise not_found_error(previous_id)
+        chat = responses_to_chat(body, previous.items if previous else None)
         headers = {k.lower(): v for k, v in request.headers.items()}
         req = parse_request(
             orjson.dumps(chat), headers, chat=True, config=config, caller=caller, session_body=body
@@ -120,7 +117,7 @@ class ResponsesAPI:
         response_id = request.path_params["response_id"]
         stored = await self._load(tenant, response_id)
         if stored is None:
-            return ORJSONResponse(not_found_error(response_id, previous=False), status_code=404)
+            raise not_found_error(response_id, previous=False)
         return ORJSONResponse(stored.response)
 
     async def delete(self, request: Request) -> Response:
@@ -129,9 +126,9 @@ class ResponsesAPI:
         try:
             deleted = await self.store.delete(tenant, response_id)
         except Exception as exc:
-            raise RouterError(503, "The response store is unavailable.") from exc
+            raise APIError(503, "The response store is unavailable.") from exc
         if not deleted:
-            return ORJSONResponse(not_found_error(response_id, previous=False), status_code=404)
+            raise not_found_error(response_id, previous=False)
         return ORJSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     async def _chain(
@@ -155,7 +152,7 @@ class ResponsesAPI:
             return await self.store.get(tenant, response_id)
         except Exception as exc:
             log.warning("response store failed: %s", safe(repr(exc)))
-            raise RouterError(503, "The response store is unavailable.") from exc
+            raise APIError(503, "The response store is unavailable.") from exc
 
 
 async def _storing(

@@ -210,7 +210,10 @@ class Retention:
     async def _leases_forever(self) -> None:
         while True:
             await asyncio.sleep(self.config.lease_check_interval_s)
-            await self.reap_leases()
+            try:
+                await self.reap_leases()
+            except Exception:  # a bug (store failures are misses): logged, the loop goes on
+                log.exception("releasing the handles of lapsed leases failed")
 
     async def _pressure_forever(self, engine: Upstream) -> None:
         while True:

@@ -39,8 +39,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from agentkv.protocol.errors import APIError
 from agentkv.router.config import SHARED_NAMESPACE, RouterConfig
-from agentkv.router.errors import RouterError
 
 __all__ = [
     "ADMIN",
@@ -211,7 +211,7 @@ class Tenancy:
             return ANONYMOUS
         caller = self.caller(authorization)
         if caller is None or caller.admin:
-            raise RouterError(401, "Invalid or missing API key (Authorization: Bearer <key>).")
+            raise APIError(401, "Invalid or missing API key (Authorization: Bearer <key>).")
         return caller
 
     def is_admin(self, authorization: str | None) -> bool:

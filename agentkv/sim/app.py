@@ -16,17 +16,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterable, AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -42,14 +40,19 @@ from agentkv.protocol import (
     HEADER_SIM_MODEL_TTFT_MS,
     HEADER_SIM_WRONG_KV_TOKENS,
 )
-from agentkv.protocol.http import ORJSONResponse, error_response, json_object
-from agentkv.protocol.responses import ResponsesRequestError, responses_to_chat
+from agentkv.protocol.errors import APIError
+from agentkv.protocol.http import (
+    ORJSONResponse,
+    json_object,
+)
+from agentkv.protocol.responses import responses_to_chat
 from agentkv.protocol.responses_stream import ResponsesEncoder
 from agentkv.sim import messages
 from agentkv.sim.clock import Clock
 from agentkv.sim.config import SimConfig
 from agentkv.sim.costmodel import PRESETS, CostModel, load_cost_file
-from agentkv.sim.engine import Engine, EngineError, Finished, Scheduled
+from agentkv.sim.engine import Engine, Finished, Scheduled
+from agentkv.sim.errors import error_handling
 from agentkv.sim.faults import Faults
 from agentkv.sim.metrics import SimMetrics
 from agentkv.sim.responses import StreamWriter, full_response
@@ -57,8 +60,6 @@ from agentkv.sim.serving import RequestPlan, SimRenderer, plan_chat, plan_comple
 from agentkv.sim.transfer import TransferClient
 
 __all__ = ["SimState", "create_app"]
-
-_log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
 _TRACE_HEADERS = ("traceparent", "tracestate")
@@ -82,11 +83,11 @@ class SimState:
 async def _json_body(request: Request) -> dict[str, Any]:
     raw = await request.body()
     if len(raw) > MAX_BODY_BYTES:
-        raise EngineError(413, "Request body too large.")
+        raise APIError(413, "Request body too large.")
     try:
         return json_object(raw)
     except ValueError as exc:
-        raise EngineError(400, str(exc)) from exc
+        raise APIError(400, str(exc)) from exc
 
 
 def create_app(
@@ -164,55 +165,24 @@ def create_app(
         Route("/_sim/faults", _faults(state), methods=["GET", "POST"]),
         Route("/_sim/state", _state(state), methods=["GET"]),
     ]
-    app = Starlette(
-        routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error}
-    )
+    app = Starlette(routes=routes, lifespan=lifespan, **error_handling())
     app.state.sim = state
     return app
 
 
-async def _http_error(request: Request, exc: Exception) -> Response:
-    """An unknown path (404) or method (405, with ``Allow``) as vLLM answers it: FastAPI's
-    default, ``{"detail": "Not Found"}`` (vLLM's error-shape handler is registered for FastAPI's
-    ``HTTPException``, a subclass of the Starlette one that routing raises)."""
-    assert isinstance(exc, HTTPException)
-    return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
-
-
 Handler = Any
-ErrorShape = Callable[[int, str, str | None], Response]
 
 
 def _check_model(state: SimState, body: dict[str, Any]) -> None:
     """vLLM's ``_check_model``: an empty or absent ``model`` means the served one."""
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise EngineError(400, "`model` must be a string.", param="model")
+        raise APIError(400, "`model` must be a string.", param="model")
     name = state.config.served_model_name
     if model and model != name:
-        raise EngineError(
+        raise APIError(
             404, f"The model `{model}` does not exist. Valid aliases: {name}.", param="model"
         )
-
-
-def _guard(fn: Handler, error: ErrorShape = error_response) -> Handler:
-    """Errors in OpenAI's error shape (or ``error``'s), never a traceback: :class:`EngineError`
-    as it says; anything else as vLLM's ``create_error_response`` maps a raw exception
-    (``ValueError``, ``TypeError``, ``OverflowError``: 400; the rest: 500, logged)."""
-
-    async def handler(request: Request) -> Response:
-        try:
-            response: Response = await fn(request)
-            return response
-        except EngineError as exc:
-            return error(exc.status, exc.message, exc.param)
-        except (ValueError, TypeError, OverflowError) as exc:
-            return error(400, str(exc), None)
-        except Exception as exc:
-            _log.exception("unexpected error in %s %s", request.method, request.url.path)
-            return error(500, f"Internal server error: {type(exc).__name__}", None)
-
-    return handler
 
 
 def _generate(state: SimState, *, chat: bool) -> Handler:
@@ -220,7 +190,7 @@ def _generate(state: SimState, *, chat: bool) -> Handler:
         body = await _json_body(request)
         return await _serve(state, request, body, chat=chat)
 
-    return _guard(handler)
+    return handler
 
 
 async def _serve(
@@ -235,11 +205,11 @@ async def _serve(
     if faults.delay_s:
         await asyncio.sleep(faults.delay_s)
     if faults.take_failure():
-        raise EngineError(faults.fail_status, faults.fail_message)
+        raise APIError(faults.fail_status, faults.fail_message)
     base_id = request.headers.get(HEADER_REQUEST_ID)
     plan = plan_chat(r, body, base_id) if chat else plan_completion(r, body, base_id)
     events = engine.run(plan.gen).__aiter__()
-    first = await events.__anext__()  # prefill; raises EngineError before any byte
+    first = await events.__anext__()  # prefill; raises APIError before any byte
     assert isinstance(first, Scheduled)
     headers = {
         HEADER_SIM_WRONG_KV_TOKENS: str(first.wrong_kv_tokens),
@@ -273,13 +243,10 @@ def _responses(state: SimState) -> Handler:
         _check_model(state, body)
         previous = body.get("previous_response_id")
         if previous is not None:
-            raise EngineError(
+            raise APIError(
                 404, f"Response with id '{str(previous)[:80]}' not found.", param="response_id"
             )
-        try:
-            chat = responses_to_chat(body)
-        except ResponsesRequestError as exc:
-            raise EngineError(exc.status, exc.message, param=exc.param) from None
+        chat = responses_to_chat(body)
         encoder = ResponsesEncoder(body)
         answer = await _serve(state, request, chat, chat=True)
         if isinstance(answer, StreamingResponse):
@@ -292,7 +259,7 @@ def _responses(state: SimState) -> Handler:
             encoder.response(json.loads(bytes(answer.body))), headers=dict(answer.headers)
         )
 
-    return _guard(handler)
+    return handler
 
 
 async def _reencode(source: AsyncIterable[Any], encoder: ResponsesEncoder) -> AsyncIterator[bytes]:
@@ -367,7 +334,7 @@ def _messages(state: SimState) -> Handler:
         chat = messages.to_chat(await _json_body(request), traits)
         return await messages.convert(await run(request, chat))
 
-    return _guard(handler, messages.anthropic_error)
+    return handler
 
 
 def _count_tokens(state: SimState) -> Handler:
@@ -378,7 +345,7 @@ def _count_tokens(state: SimState) -> Handler:
         _check_model(state, chat)
         return JSONResponse(messages.count_tokens(state.renderer, chat))
 
-    return _guard(handler, messages.anthropic_error)
+    return handler
 
 
 def _tokenize(state: SimState) -> Handler:
@@ -397,7 +364,7 @@ def _tokenize(state: SimState) -> Handler:
                 body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True))
             )
         else:
-            raise EngineError(400, "Either `prompt` (a string) or `messages` is required.")
+            raise APIError(400, "Either `prompt` (a string) or `messages` is required.")
         out: dict[str, Any] = {
             "count": len(ids),
             "max_model_len": state.config.max_model_len,
@@ -408,7 +375,7 @@ def _tokenize(state: SimState) -> Handler:
         )
         return JSONResponse(out)
 
-    return _guard(handler)
+    return handler
 
 
 def _detokenize(state: SimState) -> Handler:
@@ -421,13 +388,13 @@ def _detokenize(state: SimState) -> Handler:
         if not isinstance(tokens, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in tokens
         ):
-            raise EngineError(400, "`tokens` must be a list of token ids.", param="tokens")
+            raise APIError(400, "`tokens` must be a list of token ids.", param="tokens")
         for t in tokens:
             if not r.tokenizer.is_valid_id(t):
-                raise EngineError(400, f"Token id {t} is out of vocabulary", param="tokens")
+                raise APIError(400, f"Token id {t} is out of vocabulary", param="tokens")
         return JSONResponse({"prompt": r.tokenizer.decode(tokens)})
 
-    return _guard(handler)
+    return handler
 
 
 def _models(state: SimState) -> Handler:
@@ -515,15 +482,15 @@ def _read(state: SimState) -> Handler:
         body = await _json_body(request)
         request_id, block_ids = body.get("request_id"), body.get("block_ids")
         if not isinstance(request_id, str) or not isinstance(block_ids, list):
-            raise EngineError(400, "`request_id` and `block_ids` are required.")
+            raise APIError(400, "`request_id` and `block_ids` are required.")
         try:
             blocks = state.engine.serve_read(request_id, [int(b) for b in block_ids])
         except KeyError:
-            raise EngineError(410, f"No KV blocks held for request {request_id}.") from None
+            raise APIError(410, f"No KV blocks held for request {request_id}.") from None
         await state.engine.reap()
         return JSONResponse({"blocks": blocks})
 
-    return _guard(handler)
+    return handler
 
 
 def _notify(state: SimState) -> Handler:
@@ -531,10 +498,10 @@ def _notify(state: SimState) -> Handler:
         body = await _json_body(request)
         request_id = body.get("request_id")
         if not isinstance(request_id, str):
-            raise EngineError(400, "`request_id` is required.")
+            raise APIError(400, "`request_id` is required.")
         return JSONResponse({"freed": state.engine.serve_notify(request_id)})
 
-    return _guard(handler)
+    return handler
 
 
 def _faults(state: SimState) -> Handler:
@@ -546,7 +513,7 @@ def _faults(state: SimState) -> Handler:
             try:
                 update = Faults.model_validate({**state.faults.model_dump(), **body})
             except ValidationError as exc:
-                raise EngineError(400, f"Invalid fault knobs: {exc}") from exc
+                raise APIError(400, f"Invalid fault knobs: {exc}") from exc
             for name in Faults.model_fields:
                 setattr(state.faults, name, getattr(update, name))
             if "exit_after_s" in body:  # a new value replaces (null cancels) the pending exit
@@ -557,7 +524,7 @@ def _faults(state: SimState) -> Handler:
                     exit_timer.append(loop.call_later(update.exit_after_s, os._exit, 1))
         return JSONResponse(state.faults.model_dump())
 
-    return _guard(handler)
+    return handler
 
 
 def _state(state: SimState) -> Handler:

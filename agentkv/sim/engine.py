@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentkv.protocol import kv_transfer as kvt
+from agentkv.protocol.errors import APIError
 from agentkv.sim.blocks import (
     Block,
     BlockPool,
@@ -58,7 +59,6 @@ from agentkv.sim.transfer import TransferClient, TransferError
 __all__ = [
     "EXPIRY_SAFETY_MARGIN_S",
     "Engine",
-    "EngineError",
     "Finished",
     "GenRequest",
     "Scheduled",
@@ -66,16 +66,6 @@ __all__ = [
 
 EXPIRY_SAFETY_MARGIN_S = 5.0
 """vLLM's ``_KV_BLOCKS_EXPIRY_SAFETY_MARGIN`` (``nixl/pull_worker.py``)."""
-
-
-class EngineError(Exception):
-    """A request failed; ``status`` is the HTTP status vLLM would answer with."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
 
 
 @dataclass
@@ -278,13 +268,13 @@ class Engine:
         """The checks vLLM makes before scheduling (HTTP 400 on failure)."""
         n = len(req.prompt_ids)
         if n == 0:
-            raise EngineError(400, "The prompt must contain at least one token.", param="prompt")
+            raise APIError(400, "The prompt must contain at least one token.", param="prompt")
         for t in req.prompt_ids:
             if not 0 <= t < self.vocab_size:
-                raise EngineError(400, f"Token id {t} is out of vocabulary", param="prompt")
+                raise APIError(400, f"Token id {t} is out of vocabulary", param="prompt")
         limit = self.config.max_model_len
         if n > limit:
-            raise EngineError(
+            raise APIError(
                 400,
                 f"This model's maximum context length is {limit} tokens. However, your prompt "
                 f"contains {n} input tokens, which exceeds this limit even without any output "
@@ -292,7 +282,7 @@ class Engine:
                 param="input_tokens",
             )
         if req.max_tokens is not None and n + req.max_tokens > limit:
-            raise EngineError(
+            raise APIError(
                 400,
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{req.max_tokens} output tokens and your prompt contains {n} input tokens, for "
@@ -301,11 +291,11 @@ class Engine:
                 param="max_tokens",
             )
         if math.ceil(n / self.config.block_size) > self.pool.num_usable:
-            raise EngineError(400, "The prompt does not fit in the KV cache.", param="prompt")
+            raise APIError(400, "The prompt does not fit in the KV cache.", param="prompt")
 
     async def run(self, req: GenRequest) -> AsyncIterator[Scheduled | int | Finished]:
         """Run ``req``: yields one :class:`Scheduled`, then each output token id as it is
-        sampled, then one :class:`Finished`. Raises :class:`EngineError` before the first
+        sampled, then one :class:`Finished`. Raises :class:`APIError` before the first
         yield on failure. Closing the iterator early aborts the request and frees its blocks."""
         self.validate(req)
         self._waiting += 1
@@ -514,7 +504,7 @@ class Engine:
                 return self.pool.allocate(n)
             except NoFreeBlocksError:
                 if self._shutdown.is_set():
-                    raise EngineError(503, "The engine is shutting down.") from None
+                    raise APIError(503, "The engine is shutting down.") from None
                 async with self._blocks_freed:
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self._blocks_freed.wait(), timeout=0.25)
@@ -524,7 +514,7 @@ class Engine:
         """Park the request forever, its blocks leaked (until the server stops)."""
         self.pool.touch(state.blocks)  # an extra reference nobody drops: a leak
         await self._shutdown.wait()
-        raise EngineError(503, "The engine is shutting down.")
+        raise APIError(503, "The engine is shutting down.")
 
     async def _read_remote(
         self,
@@ -591,7 +581,7 @@ class Engine:
         self, state: _Running, decision: str = "failed"
     ) -> tuple[int, float, str]:
         if self.config.kv_load_failure_policy == "fail":
-            raise EngineError(500, "Internal server error", param=None)
+            raise APIError(500, "Internal server error", param=None)
         return 0, 0.0, decision
 
     async def _clock_offset(self, host: str, port: int, engine_id: str) -> float:

@@ -12,17 +12,12 @@ import orjson
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from agentkv.protocol import anthropic
-from agentkv.sim.engine import EngineError
+from agentkv.protocol.errors import APIError
 from agentkv.sim.serving import SimRenderer
 
-__all__ = ["TemplateTraits", "anthropic_error", "convert", "count_tokens", "to_chat"]
+__all__ = ["TemplateTraits", "convert", "count_tokens", "to_chat"]
 
 _HOP = ("content-length", "content-type", "transfer-encoding", "connection")
-
-
-def anthropic_error(status: int, message: str, param: str | None = None) -> Response:
-    """An error in Anthropic's shape (vLLM's ``translate_error_response``)."""
-    return JSONResponse(anthropic.error_body(status, message), status_code=status)
 
 
 @dataclass
@@ -36,7 +31,7 @@ class TemplateTraits:
     def _render(self, body: dict[str, Any]) -> str | None:
         try:
             return self.renderer.render_chat(body)
-        except EngineError:
+        except APIError:
             return None
 
     @property
@@ -66,7 +61,7 @@ class TemplateTraits:
 def to_chat(
     body: dict[str, Any], traits: TemplateTraits, *, count_tokens: bool = False
 ) -> dict[str, Any]:
-    """The chat body vLLM runs for a Messages request (400 :class:`EngineError`)."""
+    """The chat body vLLM runs for a Messages request (400 :class:`APIError`)."""
     try:
         request = anthropic.parse_request(body, count_tokens=count_tokens)
         merge = any(m.role == "system" for m in request.messages) and traits.merge_inline_system
@@ -75,7 +70,7 @@ def to_chat(
             request, body, merge_inline_system=merge, disabled_thinking_effort=effort
         )
     except ValueError as exc:
-        raise EngineError(400, str(exc)) from exc
+        raise APIError(400, str(exc)) from exc
 
 
 def count_tokens(r: SimRenderer, chat: dict[str, Any]) -> dict[str, Any]:

@@ -24,8 +24,9 @@ from agentkv.chat.template import ChatTemplate, TemplateError
 from agentkv.chat.tokenizer import ChatTokenizer
 from agentkv.protocol import BODY_SIM_SCRIPT, KVTransferParams
 from agentkv.protocol import kv_transfer as kvt
+from agentkv.protocol.errors import APIError
 from agentkv.sim.config import SimConfig
-from agentkv.sim.engine import EngineError, GenRequest
+from agentkv.sim.engine import GenRequest
 from agentkv.sim.script import SimScript, generate_text, native_syntax_for, render_script
 
 __all__ = [
@@ -90,12 +91,12 @@ class SimRenderer:
     def render_chat(self, body: dict[str, Any]) -> str:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
-            raise EngineError(400, "`messages` must be a non-empty list.", param="messages")
+            raise APIError(400, "`messages` must be a non-empty list.", param="messages")
         for m in messages:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise EngineError(400, "Each message needs a string `role`.", param="messages")
+                raise APIError(400, "Each message needs a string `role`.", param="messages")
             if not isinstance(m.get("content"), (str, list, type(None))):
-                raise EngineError(
+                raise APIError(
                     400,
                     "A message's `content` must be a string, a list of content parts or null.",
                     param="messages",
@@ -103,16 +104,16 @@ class SimRenderer:
         add_gen = body.get("add_generation_prompt", True)
         cont = body.get("continue_final_message", False)
         if add_gen and cont:
-            raise EngineError(
+            raise APIError(
                 400,
                 "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
             )
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
-            raise EngineError(400, "`chat_template_kwargs` must be an object.")
+            raise APIError(400, "`chat_template_kwargs` must be an object.")
         tools = body.get("tools")
         if tools is not None and not isinstance(tools, list):
-            raise EngineError(400, "`tools` must be a list.", param="tools")
+            raise APIError(400, "`tools` must be a list.", param="tools")
         try:
             template = self.template
             if isinstance(body.get("chat_template"), str):
@@ -129,9 +130,9 @@ class SimRenderer:
             )
         except TemplateError as exc:
             # vLLM (``safe_apply_chat_template``): 400 with the template's own reason.
-            raise EngineError(400, str(exc)) from exc
+            raise APIError(400, str(exc)) from exc
         except (ValueError, TypeError) as exc:
-            raise EngineError(400, str(exc), param="messages") from exc
+            raise APIError(400, str(exc), param="messages") from exc
 
     def chat_prompt_ids(
         self, body: dict[str, Any], kv: dict[str, Any] | None
@@ -144,7 +145,7 @@ class SimRenderer:
                 or not ids
                 or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
             ):
-                raise EngineError(
+                raise APIError(
                     400,
                     "`kv_transfer_params['prompt_token_ids']` must be a non-empty list of "
                     f"non-negative integers. ({_REUSED_IDS_PARAM})",
@@ -153,7 +154,7 @@ class SimRenderer:
             # vLLM's ``validate_token_ids`` names the largest id out of range.
             bad = [t for t in ids if not self.tokenizer.is_valid_id(t)]
             if bad:
-                raise EngineError(
+                raise APIError(
                     400,
                     f"Token id {max(bad)} is out of vocabulary ({_REUSED_IDS_PARAM})",
                     param=_REUSED_IDS,
@@ -178,7 +179,7 @@ class SimRenderer:
             and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
         ):
             return list(prompt)
-        raise EngineError(
+        raise APIError(
             400,
             "`prompt` must be a string or a non-empty list of token ids (one prompt per request "
             "in the simulator).",
@@ -264,9 +265,7 @@ def _script(body: dict[str, Any], from_prompt: bool = False) -> SimScript | None
     try:
         return SimScript.model_validate(raw)
     except ValidationError as exc:
-        raise EngineError(
-            400, f"Invalid `{BODY_SIM_SCRIPT}`: {exc}", param=BODY_SIM_SCRIPT
-        ) from exc
+        raise APIError(400, f"Invalid `{BODY_SIM_SCRIPT}`: {exc}", param=BODY_SIM_SCRIPT) from exc
 
 
 def prompt_script(body: dict[str, Any]) -> SimScript | None:
@@ -291,7 +290,7 @@ def prompt_script(body: dict[str, Any]) -> SimScript | None:
         try:
             return SimScript.model_validate(steps[n])
         except ValidationError as exc:
-            raise EngineError(400, f"Invalid `{PROMPT_SCRIPT_MARKER}` script: {exc}") from exc
+            raise APIError(400, f"Invalid `{PROMPT_SCRIPT_MARKER}` script: {exc}") from exc
     return None
 
 
@@ -314,7 +313,7 @@ def _marked(content: Any) -> Any:
         try:
             value, _ = json.JSONDecoder().raw_decode(text, start)
         except ValueError as exc:
-            raise EngineError(
+            raise APIError(
                 400, f"The `{PROMPT_SCRIPT_MARKER}` script in the prompt is not JSON: {exc}"
             ) from exc
         return value
@@ -352,7 +351,7 @@ def _stop_strings(body: dict[str, Any]) -> list[str]:
     if isinstance(stops, str):
         stops = [stops]
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise EngineError(400, "`stop` must be a string or a list of strings.", param="stop")
+        raise APIError(400, "`stop` must be a string or a list of strings.", param="stop")
     return [s for s in stops if s]
 
 
@@ -384,7 +383,7 @@ def _int_field(body: dict[str, Any], *names: str) -> int | None:
         if value is None:
             continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise EngineError(400, f"`{name}` must be a positive integer.", param=name)
+            raise APIError(400, f"`{name}` must be a positive integer.", param=name)
         return value
     return None
 
@@ -401,7 +400,7 @@ def _check_handle(kv: dict[str, Any]) -> None:
         detail = "; ".join(
             f"{'.'.join(str(part) for part in e['loc'])}: {e['msg']}" for e in errors
         )
-        raise EngineError(
+        raise APIError(
             400,
             f"Invalid `kv_transfer_params`: {detail}",
             param=f"kv_transfer_params.{where}" if where else "kv_transfer_params",
@@ -411,22 +410,20 @@ def _check_handle(kv: dict[str, Any]) -> None:
 def _common(body: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
     kv = body.get("kv_transfer_params")
     if kv is not None and not isinstance(kv, dict):
-        raise EngineError(
-            400, "`kv_transfer_params` must be an object.", param="kv_transfer_params"
-        )
+        raise APIError(400, "`kv_transfer_params` must be an object.", param="kv_transfer_params")
     if kv is not None:
         _check_handle(kv)
     seed = body.get("seed")
     if seed is not None and (
         not isinstance(seed, int) or isinstance(seed, bool) or not -(2**63) <= seed < 2**63
     ):
-        raise EngineError(400, "`seed` must be a 64-bit integer.", param="seed")
+        raise APIError(400, "`seed` must be a 64-bit integer.", param="seed")
     n = body.get("n", 1)
     if n not in (None, 1):
-        raise EngineError(400, "The simulator serves n=1 only.", param="n")
+        raise APIError(400, "The simulator serves n=1 only.", param="n")
     salt = body.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
-        raise EngineError(400, "`cache_salt` must be a string.", param="cache_salt")
+        raise APIError(400, "`cache_salt` must be a string.", param="cache_salt")
     return (dict(kv) if kv is not None else None), salt
 
 
@@ -508,14 +505,14 @@ def _min_tokens(body: dict[str, Any], max_tokens: int | None, room: int) -> int:
     if value is None:
         return 0
     if not isinstance(value, int) or isinstance(value, bool):
-        raise EngineError(400, "`min_tokens` must be an integer.", param="min_tokens")
+        raise APIError(400, "`min_tokens` must be an integer.", param="min_tokens")
     if value < 0:
-        raise EngineError(
+        raise APIError(
             400, f"min_tokens must be greater than or equal to 0, got {value}.", param="min_tokens"
         )
     limit = max_tokens if max_tokens is not None else room
     if value > limit > 0:
-        raise EngineError(
+        raise APIError(
             400,
             f"min_tokens must be less than or equal to max_tokens={limit}, got {value}.",
             param="min_tokens",

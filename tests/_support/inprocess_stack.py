@@ -22,7 +22,7 @@ import agentkv
 from agentkv.protocol.promtext import parse_metrics
 from agentkv.router import create_app as create_router
 from agentkv.router.config import RouterConfig
-from agentkv.router.store import make_store
+from agentkv.router.store import HandleStore, make_store
 from agentkv.sim import SimConfig
 from agentkv.sim import create_app as create_sim
 from agentkv.sim.app import SimState
@@ -103,10 +103,12 @@ async def inprocess_stack(
     router: dict[str, Any] | None = None,
     backend: dict[str, Any] | None = None,
     common: dict[str, Any] | None = None,
+    store: HandleStore | None = None,
 ) -> AsyncIterator[InProcessStack]:
     """P and D simulators (``SimConfig`` fields: ``common`` + each one's ``p_args``/``d_args``)
-    and a router (``router``: ``RouterConfig`` fields; ``backend``: each engine's fields) in
-    front of them, lifespans running; stops them all on exit."""
+    and a router (``router``: ``RouterConfig`` fields; ``backend``: each engine's fields;
+    ``store``: its handle store, default the configured one on the shared clock) in front of
+    them, lifespans running; stops them all on exit."""
     common = {"time_scale": 0.0, "block_size": 16, **(common or {})}
     clock = SharedClock()
     apps: dict[int, Starlette] = {}
@@ -135,7 +137,7 @@ async def inprocess_stack(
             **(router or {}),
         }
     )
-    store = make_store(
+    store = store or make_store(
         config.store,
         max_entries=config.store_max_entries,
         max_entries_per_tenant=config.tenant_bound,

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
+from agentkv.protocol.errors import APIError
 from agentkv.protocol.responses import (
-    ResponsesRequestError,
     chat_to_response,
     history_items,
     last_response_of,
@@ -284,9 +284,9 @@ def test_named_tool_choice_resolves_namespaces() -> None:
     )["tool_choice"]["function"]["name"]
     assert pick("only_a") == "a__only_a"
     assert pick("b__run") == "b__run"
-    with pytest.raises(ResponsesRequestError, match="ambiguous"):
+    with pytest.raises(APIError, match="ambiguous"):
         pick("run")
-    with pytest.raises(ResponsesRequestError, match="not found"):
+    with pytest.raises(APIError, match="not found"):
         pick("nope")
 
 
@@ -355,7 +355,7 @@ def test_a_partial_assistant_message_is_continued() -> None:
     ],
 )
 def test_refusals_say_what_and_where(body: dict[str, Any], param: str, message: str) -> None:
-    with pytest.raises(ResponsesRequestError) as refused:
+    with pytest.raises(APIError) as refused:
         responses_to_chat(body)
     assert refused.value.status == 400
     assert refused.value.param == param
@@ -363,7 +363,7 @@ def test_refusals_say_what_and_where(body: dict[str, Any], param: str, message: 
 
 
 def test_not_found_is_openais_error() -> None:
-    body = not_found_error("resp_x")
+    body = not_found_error("resp_x").body()
     assert body == {
         "error": {
             "message": "Previous response with id 'resp_x' not found.",
@@ -605,8 +605,3 @@ def test_an_empty_stream_still_completes() -> None:
         "response.completed",
     ]
     assert events[-1]["response"]["output"] == []
-
-
-def test_errors_keep_openais_shape() -> None:
-    error = {"message": "No.", "type": "BadRequestError", "param": "input", "code": 400}
-    assert ResponsesEncoder({"input": "x"}).error(400, error) == {"error": error}

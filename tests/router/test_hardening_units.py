@@ -8,9 +8,10 @@ import orjson
 import pytest
 from pydantic import ValidationError
 
+from agentkv.protocol.errors import APIError
 from agentkv.router.config import RouterConfig, Tenant
 from agentkv.router.logs import JsonFormatter, SafeFormatter, safe
-from agentkv.router.request import RouterError, parse_request
+from agentkv.router.request import parse_request
 from agentkv.router.tenancy import ANONYMOUS, Caller, Tenancy, derived_salt, effective_salt
 
 BACKENDS = {"prefill": [{"url": "http://p:1"}], "decode": [{"url": "http://d:1"}]}
@@ -71,7 +72,7 @@ def test_tenant_salt_options():
     assert tenancy.tenant_for("Bearer ka") == Caller("a", derived_salt("a", "s"))
     assert tenancy.tenant_for("Bearer kb") == Caller("b", "fixed")
     assert tenancy.tenant_for("Bearer kc") == Caller("c", shares=True)
-    with pytest.raises(RouterError):
+    with pytest.raises(APIError):
         tenancy.tenant_for("Bearer nope")
     anonymous = RouterConfig.model_validate(BACKENDS)
     assert Tenancy(anonymous).tenant_for(None) == ANONYMOUS
@@ -136,7 +137,7 @@ def test_the_body_carries_the_validated_values():
     ],
 )
 def test_absurd_values_are_400(body, headers):
-    with pytest.raises(RouterError) as info:
+    with pytest.raises(APIError) as info:
         _parse(body, headers, chat=False)
     assert info.value.status == 400
 
@@ -167,7 +168,7 @@ def test_int64_epochs_are_accepted():
 def test_exact_ids_are_refused_unless_every_one_is_a_token_id(ids: object) -> None:
     """Checked without a Python loop over the ids (issue 23), as strictly as before."""
     messages = [{"role": "user", "content": "hi"}]
-    with pytest.raises(RouterError) as e:
+    with pytest.raises(APIError) as e:
         _parse({"messages": messages, "kv_transfer_params": {"prompt_token_ids": ids}})
     assert e.value.status == 400
 

@@ -16,9 +16,9 @@ import httpx
 import orjson
 import pytest
 
+from agentkv.protocol.errors import UpstreamError
 from agentkv.protocol.exact import AppendJob, append_plan, run_plan_async
 from agentkv.router.config import RouterConfig
-from agentkv.router.errors import UpstreamError
 from agentkv.router.identity import (
     KEPT,
     KEPT_PREFIX,

@@ -8,10 +8,11 @@ import logging
 import httpx
 import pytest
 
+from agentkv.protocol.errors import APIError
 from agentkv.router.config import RouterConfig
 from agentkv.router.metrics import RouterMetrics
 from agentkv.router.pd import Router
-from agentkv.router.request import RouterError, parse_request
+from agentkv.router.request import parse_request
 from agentkv.router.store import make_store
 from agentkv.router.upstream import EnginePool
 
@@ -36,7 +37,7 @@ def turn_ids(failures: int) -> tuple[list[int] | Exception, int]:
         req = parse_request(BODY, {}, chat=True, config=CONFIG)
         try:
             return await router.prompt_ids(req)
-        except RouterError as exc:
+        except APIError as exc:
             return exc
         finally:
             await pool.aclose()
@@ -52,6 +53,6 @@ def test_one_connection_error_on_the_only_p_does_not_fail_the_turn() -> None:
 def test_tokenize_gives_up_after_the_retries_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="agentkv.router"):
         result, calls = turn_ids(failures=10)
-    assert isinstance(result, RouterError) and result.status == 503
+    assert isinstance(result, APIError) and result.status == 503
     assert calls == CONFIG.retries + 1
     assert "could not tokenize" in caplog.text
