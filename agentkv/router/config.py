@@ -203,6 +203,24 @@ class RouterConfig(BaseModel):
     tokenize_with: Literal["prefill", "decode"] = "prefill"
     """Which instance's ``/tokenize`` renders prompts that arrive without token ids."""
 
+    # -- each turn's path (docs/paths.md): pull D's KV back, or decode in place on D --------------
+    paths: Literal["choose", "pull", "decode"] = "pull"
+    """How a turn whose verified handle lives on a D reaches its first token. ``pull`` (the
+    default, as before issue 24): always through P, which reads D's KV back. ``choose``: the
+    path the cost model (:mod:`agentkv.router.paths`) estimates fastest within D's budget:
+    ``decode`` (straight to that D, which prefills the new tokens from its own prefix cache)
+    or the P path. ``decode``: decode in place whenever D's budget allows it (benchmarks by
+    path)."""
+    decode_max_new_tokens: int = Field(2048, ge=0)
+    """A decode-in-place turn prefills at most this many new prompt tokens on D (Dynamo's
+    conditional-disaggregation threshold)."""
+    decode_tokens_in_flight: int = Field(8192, ge=0)
+    """Prompt tokens decode-in-place turns may have prefilling on one D at once (one step's
+    ``max_num_batched_tokens``); from the request until D's answer starts."""
+    path_costs: str | None = None
+    """A cost file written by ``agentkv calibrate --out`` (JSON; its ``curves``) for the cost
+    model. Unset: the published figures of ``agentkv.router.paths.Curves``."""
+
     # -- hardening: tenancy salts, admin endpoints, logs -----------------------------------------
     salt_secret: str | None = None
     """Key of the HMAC that derives each tenant's ``cache_salt`` from its name (every replica

@@ -14,14 +14,14 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import orjson
 from opentelemetry import trace
 from starlette.responses import Response, StreamingResponse
 
-from agentkv.protocol import HEADER_SIM_ENGINE_ID, KVTransferParams
+from agentkv.protocol import HEADER_SIM_ENGINE_ID
 from agentkv.protocol.http import ORJSONResponse
 from agentkv.router import turn as core
 from agentkv.router.config import RouterConfig
@@ -32,8 +32,9 @@ from agentkv.router.identity import Identity, MemoryLedger
 from agentkv.router.leases import Leases, MemoryLeases
 from agentkv.router.logs import safe
 from agentkv.router.metrics import RouterMetrics
+from agentkv.router.paths import DecodeBudget, InFlight, load_curves
 from agentkv.router.prompts import Tokenizer
-from agentkv.router.receipt import Receipt, account, sim_receipt
+from agentkv.router.receipt import Receipt, account, decode_found, sim_receipt
 from agentkv.router.relay import Relay, StreamOutcome
 from agentkv.router.request import ClientRequest, RouterError, TokenIds, wire_ids
 from agentkv.router.retention import Retention
@@ -45,8 +46,8 @@ from agentkv.router.upstream import (
     LocalPrefix,
     Upstream,
     pick_decode,
-    pick_prefill,
     pick_prefill_by_prefix,
+    release,
 )
 
 __all__ = ["LocalPrefix", "Receipt", "Router", "UpstreamError"]
@@ -63,6 +64,8 @@ class _Turn:
     req: ClientRequest
     started: float
     response: Response | None = None
+    found: int | None = None
+    """Decoding in place: what D said it found cached."""
 
 
 async def _drive(
@@ -117,6 +120,10 @@ class Router:
             engine.on_new_identity.append(self._drop_handles_of_old)
         self._decode_by_url = {e.url: e for e in pool.decode}
         self._prefill_by_url = {e.url: e for e in pool.prefill}
+        self.curves = load_curves(config.path_costs)
+        self.in_flight = InFlight()
+        """Each D's decode-in-place prompt tokens, until D's answer starts."""
+        self._budget = DecodeBudget(config.decode_max_new_tokens, config.decode_tokens_in_flight)
 
     # -- background work -------------------------------------------------------------------
     def _spawn(self, coro: Any) -> None:
@@ -157,34 +164,10 @@ class Router:
         self._spawn(drop())
 
     async def release(self, handle: StoredHandle, reason: str) -> None:
-        """Tell D to free a handle's blocks now: a notify-only P request, tried like a turn's
-        P request (``retries`` more times), so one failing P does not leave D pinning the
-        blocks until its TTL."""
-        params = KVTransferParams.model_validate(handle.params).for_reading().release_only()
-        body = {
-            "prompt": handle.tail_tokens[:1] or [0],
-            "max_tokens": 1,
-            "kv_transfer_params": params.to_wire(),
-        }
-        for _attempt in range(self.config.retries + 1):
-            engine = pick_prefill(
-                self.pool.prefill, None, cap_tokens=1 << 62, need_bidirectional=True
-            )
-            if engine is None:
-                return
-            try:
-                r = await engine.client.post(
-                    "/v1/completions", body, timeout=self.config.prefill_deadline_s
-                )
-            except TransportError:
-                self.metrics.upstream_errors.labels("prefill", "release").inc()
-                continue
-            if r.status_code == 200:
-                self.metrics.released.labels(reason).inc()
-                return
-            self.metrics.upstream_errors.labels("prefill", "release").inc()
-            if r.status_code < 500 and r.status_code != 429:
-                return  # P refused the notify itself: trying again changes nothing
+        """Tell D to free a handle's blocks now (:func:`~agentkv.router.upstream.release`)."""
+        failed = self.metrics.upstream_errors.labels("prefill", "release").inc
+        if await release(self.pool, handle, self.config, on_error=failed):
+            self.metrics.released.labels(reason).inc()
 
     async def close_conversation(self, tenant: str, conversation_id: str) -> bool:
         await self.retention.drop((tenant, conversation_id))
@@ -280,15 +263,23 @@ class Router:
             lease_s=req.lease_s,
             max_tokens=req.body.get("max_completion_tokens") or req.body.get("max_tokens"),
             context_limit=min(known) if known else None,
+            curves=self.curves,
         )
         end = await _drive(core.turn_plan(t, self.config), lambda a: self._perform(a, turn))
         if isinstance(end, core.Fail):
             if end.body is not None:
                 raise UpstreamError(end.status, end.body)
             raise RouterError(end.status, end.message, param=end.param)
-        ids = list(end.prompt)
+        receipt = replace(end.receipt, found=turn.found)
         account(
-            self.metrics, req, ids, end.receipt, end.prefill_url, end.decode_url, span, turn.started
+            self.metrics,
+            req,
+            list(end.prompt),
+            receipt,
+            end.prefill_url,
+            end.decode_url,
+            span,
+            turn.started,
         )
         assert turn.response is not None
         return turn.response
@@ -299,7 +290,8 @@ class Router:
         if isinstance(action, core.Candidates):
             handles = await store.candidates(action.key)
             can_pull = any(e.healthy and e.backend.bidirectional for e in self.pool.prefill)
-            return core.Found(handles, {e.url: e.identity for e in self.pool.decode}, can_pull)
+            engines = {e.url: e.identity for e in self.pool.decode}
+            return core.Found(handles, engines, can_pull, self.in_flight.snapshot())
         if isinstance(action, core.Discard):
             if action.reason:
                 self.metrics.dropped.labels(action.reason).inc()
@@ -324,6 +316,8 @@ class Router:
             await self.identity.record(action.pending, action.prompt, action.output, action.message)
         elif isinstance(action, core.Identify):
             self._decode_by_url[action.url].identify(action.engine_id)
+        elif isinstance(action, core.Reserve):
+            return self.in_flight.reserve(action.url, action.tokens, self._budget)
         elif isinstance(action, core.PickDecode):
             engine = pick_decode([self._decode_by_url[u] for u in action.candidates], action.holder)
             return None if engine is None else engine.url
@@ -355,7 +349,10 @@ class Router:
         if isinstance(action, core.Prefill):
             return await self._prefill(req, action)
         assert isinstance(action, core.Decode)
-        return await self._decode(turn, action, self._decode_by_url[action.url])
+        try:
+            return await self._decode(turn, action, self._decode_by_url[action.url])
+        finally:  # D's answer started, or it failed
+            self.in_flight.release(action.url, action.reserved)
 
     # -- decode ------------------------------------------------------------------------------
     async def _decode(self, turn: _Turn, action: core.Decode, engine: Upstream) -> Any:
@@ -383,6 +380,7 @@ class Router:
         except (TransportError, asyncio.TimeoutError) as exc:
             engine.outstanding_requests -= 1
             kind = "first_byte" if isinstance(exc, asyncio.TimeoutError) else "connect"
+            reason: Any = "deadline" if kind == "first_byte" else "unreachable"
             if kind == "first_byte":
                 log.warning("decode %s sent nothing within %.0f s", engine.url, first_byte)
                 engine.failed(1)  # a stalled engine: out of rotation until its check passes
@@ -390,7 +388,7 @@ class Router:
                 engine.suspect()  # unreachable: it may come back as another engine
                 engine.failed(self.config.eject_after_failures)
             self.metrics.upstream_errors.labels("decode", kind).inc()
-            return core.DecodeFailed()
+            return core.DecodeFailed(reason)
         if upstream.status_code != 200:
             content = await upstream.aread()
             await upstream.aclose()
@@ -404,6 +402,9 @@ class Router:
         self.metrics.d_first_byte.observe(time.perf_counter() - t0)
         self.metrics.first_byte.labels(receipt.decision).observe(time.perf_counter() - started)
         headers.update(sim_receipt(action.sim_headers, upstream.headers))
+        if action.prefill_url is None:  # decoded in place: what D says it found cached
+            turn.found = decode_found(upstream.headers)
+            headers.update(replace(receipt, found=turn.found).headers())
         if not relay:
             try:
                 data = orjson.loads(await upstream.aread())
@@ -414,6 +415,9 @@ class Router:
                 await upstream.aclose()
                 engine.outstanding_requests -= 1
             engine.ok()
+            if action.prefill_url is None and turn.found is None:
+                turn.found = decode_found({}, data)
+                headers.update(replace(receipt, found=turn.found).headers())
             captured = clean_response(
                 data, keep_ids=req.wants_token_ids, keep_prompt_ids=req.wants_prompt_ids
             )
