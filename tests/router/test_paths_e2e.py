@@ -1,0 +1,125 @@
+"""Each turn's path between real processes (docs/paths.md): with ``paths = "choose"`` a turn that
+adds a few tokens to what D holds goes straight to that D, which prefills only them from its own
+prefix cache (P is not asked); a turn with many new tokens goes through P, which reads D's KV
+back; with ``paths = "pull"`` every turn goes through P. The simulator checks every block's KV
+content: no turn runs on wrong KV."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from agentkv.sim.launch import SimProcess
+from tests._support.stack import MODEL, Stack, held_after, stack, start_router
+
+pytestmark = pytest.mark.e2e
+
+BS = 16
+FIRST = list(range(1000, 1300))  # 300 tokens
+COMPUTED = "vllm:prompt_tokens_by_source_total[local_compute]"
+PROMPT = "vllm:prompt_tokens_total"
+
+
+def turn(url: str, conv: str, ids: list[int]) -> httpx.Response:
+    r = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 20,
+            "kv_transfer_params": {"prompt_token_ids": ids},
+            "return_token_ids": True,
+        },
+        headers={"X-Conversation-Id": conv},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    return r
+
+
+def counts(s: Stack, sim: SimProcess) -> tuple[float, float]:
+    """(prompt tokens, prompt tokens computed) ``sim`` has processed."""
+    m = s.metrics(sim)
+    return m.get(PROMPT, 0.0), m.get(COMPUTED, 0.0)
+
+
+def settled(s: Stack, d: SimProcess, n: int) -> None:
+    """Wait for ``d`` to retain ``n`` handles (a superseded one is released in the background)."""
+    deadline = time.monotonic() + 10
+    while s.retained(d) != n:
+        assert time.monotonic() < deadline, s.retained(d)
+        time.sleep(0.05)
+
+
+def test_few_new_tokens_decode_in_place_many_pull_and_pull_only_never_decodes(tmp_path):
+    with stack(
+        tmp_path,
+        p_args=(("--no-prefix-caching",),),
+        d_args=((), ()),
+        router={"paths": "choose", "decode_max_new_tokens": 256},
+    ) as s:
+        p = s.prefill[0]
+        url = s.router.url
+        r = turn(url, "c", FIRST)
+        assert r.headers["x-agentkv-decision"] == "miss"
+        held = held_after(r, FIRST)
+        holder = next(d for d in s.decode if s.retained(d) == 1)
+        other = next(d for d in s.decode if d is not holder)
+
+        for new in (30, 5):  # twice: a decode-in-place turn leaves a handle for the next one
+            ids = [*held, *range(2000, 2000 + new)]
+            before_p, before_d, before_o = counts(s, p), counts(s, holder), counts(s, other)
+            r = turn(url, "c", ids)
+            h = r.headers
+            cached = (len(held) - 1) // BS * BS  # D's verified full blocks (vLLM: full only)
+            assert h["x-agentkv-decision"] == "decode", dict(h)
+            assert h["x-agentkv-reused-tokens"] == "0"
+            assert int(h["x-agentkv-verified-prefix-tokens"]) == len(held) - 1
+            assert int(h["x-agentkv-decode-cached-tokens"]) == cached
+            assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
+            assert h["x-agentkv-runner-up"] in ("pull", "recompute")
+            assert float(h["x-agentkv-runner-up-estimate-ms"]) > float(
+                h["x-agentkv-path-estimate-ms"]
+            )
+            # the D that held the history prefilled exactly the new tokens; P and the other D
+            # never saw the prompt (P may have had the 1-token notify freeing the old handle)
+            after = counts(s, holder)
+            assert (after[0] - before_d[0], after[1] - before_d[1]) == (len(ids), len(ids) - cached)
+            assert counts(s, other) == before_o
+            assert counts(s, p)[0] - before_p[0] <= 1
+            settled(s, holder, 1)  # the old handle was freed: D holds only the new one
+            held = held_after(r, ids)
+
+        # many new tokens (over decode_max_new_tokens): P reads D's KV back
+        ids = [*held, *range(3000, 3400)]
+        before_p = counts(s, p)
+        r = turn(url, "c", ids)
+        assert r.headers["x-agentkv-decision"] == "pull", dict(r.headers)
+        assert int(r.headers["x-agentkv-reused-tokens"]) == len(held) - 1
+        assert "x-agentkv-decode-cached-tokens" not in r.headers
+        assert counts(s, p)[0] - before_p[0] == len(ids)
+
+        # the same deployment with paths = "pull": every turn through P
+        pull_only = start_router(_config(s, paths="pull"), tmp_path)
+        s.routers.append(pull_only)
+        ids, decisions = list(range(5000, 5300)), []
+        for new in (0, 30, 5):
+            ids = [*ids, *range(6000, 6000 + new)]
+            r = turn(pull_only.url, "p", ids)
+            decisions.append(r.headers["x-agentkv-decision"])
+            assert "x-agentkv-runner-up" not in r.headers
+            ids = held_after(r, ids)
+        assert decisions == ["miss", "pull", "pull"]
+        assert s.wrong_kv() == 0
+
+
+def _config(s: Stack, **router: Any) -> dict[str, Any]:
+    return {
+        "prefill": [{"url": p.url} for p in s.prefill],
+        "decode": [{"url": d.url} for d in s.decode],
+        "block_size": BS,
+        **router,
+    }
