@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from agentkv.protocol.kv_events import KVEventsConfig
+from agentkv.router.paths import load_curves
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -258,6 +259,13 @@ class RouterConfig(BaseModel):
     identity_max_tokens: int = Field(16_777_216, ge=1)
     """Token ids kept in all by the memory ledger (4 bytes each; least recently used
     conversations go first). With a Redis store the entries live in Redis, with the router TTL."""
+
+    @field_validator("path_costs")
+    @classmethod
+    def _check_path_costs(cls, path: str | None) -> str | None:
+        """A cost file that does not load is refused at start-up, not at the first turn."""
+        load_curves(path)
+        return path
 
     @model_validator(mode="after")
     def _check_hardening(self) -> RouterConfig:
