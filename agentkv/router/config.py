@@ -217,7 +217,8 @@ class RouterConfig(BaseModel):
     conditional-disaggregation threshold)."""
     decode_tokens_in_flight: int = Field(8192, ge=0)
     """Prompt tokens decode-in-place turns may have prefilling on one D at once (one step's
-    ``max_num_batched_tokens``); from the request until D's answer starts."""
+    ``max_num_batched_tokens``); from the request until D's first bytes arrive (a stream's
+    first chunk: vLLM sends it after the prefill) or it fails."""
     path_costs: str | None = None
     """A cost file written by ``agentkv calibrate --out`` (JSON; its ``curves``) for the cost
     model. Unset: the published figures of ``agentkv.router.paths.Curves``."""

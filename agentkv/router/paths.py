@@ -37,7 +37,7 @@ verified handle (config ``paths``); :class:`InFlight` is its per-D count of toke
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path as FilePath
 from typing import Any, Literal
@@ -323,8 +323,8 @@ def choose(
 
 
 class InFlight:
-    """Each D's new prompt tokens of decode-in-place turns, from the request until D's answer
-    starts or the turn fails (the router's own count: the budget ``choose`` checks)."""
+    """Each D's new prompt tokens of decode-in-place turns, from the request until D's first
+    bytes arrive or it fails (the router's own count: the budget ``choose`` checks)."""
 
     def __init__(self) -> None:
         self._tokens: dict[str, int] = {}
@@ -339,6 +339,15 @@ class InFlight:
             return False
         self._tokens[url] = now + tokens
         return True
+
+    def give_back(self, url: str, tokens: int) -> Callable[[], None]:
+        """A call that releases ``tokens`` on ``url`` the first time it is made."""
+        left = [tokens]
+
+        def release() -> None:
+            self.release(url, left.pop() if left else 0)
+
+        return release
 
     def release(self, url: str, tokens: int) -> None:
         if tokens:

@@ -66,6 +66,9 @@ class _Turn:
     response: Response | None = None
     found: int | None = None
     """Decoding in place: what D said it found cached."""
+    give_back: Callable[[], None] = lambda: None
+    """Gives back the turn's tokens in D's budget (once; a relayed stream's at its first bytes)."""
+    relayed: bool = False
 
 
 async def _drive(
@@ -349,10 +352,12 @@ class Router:
         if isinstance(action, core.Prefill):
             return await self._prefill(req, action)
         assert isinstance(action, core.Decode)
+        turn.give_back = self.in_flight.give_back(action.url, action.reserved)
         try:
             return await self._decode(turn, action, self._decode_by_url[action.url])
-        finally:  # D's answer started, or it failed
-            self.in_flight.release(action.url, action.reserved)
+        finally:  # D answered whole, or failed; a stream gives them back at its first bytes
+            if not turn.relayed:
+                turn.give_back()
 
     # -- decode ------------------------------------------------------------------------------
     async def _decode(self, turn: _Turn, action: core.Decode, engine: Upstream) -> Any:
@@ -463,7 +468,9 @@ class Router:
             on_handle=on_handle,
             on_end=on_end,
             accumulate=action.remember.pending is not None,
+            on_first=turn.give_back,
         )
+        turn.relayed = True
         turn.response = StreamingResponse(stream, media_type="text/event-stream", headers=headers)
         return core.DecodeStarted()
 

@@ -6,6 +6,7 @@ content: no turn runs on wrong KV."""
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -23,7 +24,7 @@ COMPUTED = "vllm:prompt_tokens_by_source_total[local_compute]"
 PROMPT = "vllm:prompt_tokens_total"
 
 
-def turn(url: str, conv: str, ids: list[int]) -> httpx.Response:
+def turn(url: str, conv: str, ids: list[int], *, stream: bool = False) -> httpx.Response:
     r = httpx.post(
         f"{url}/v1/chat/completions",
         json={
@@ -32,12 +33,25 @@ def turn(url: str, conv: str, ids: list[int]) -> httpx.Response:
             "max_tokens": 20,
             "kv_transfer_params": {"prompt_token_ids": ids},
             "return_token_ids": True,
+            "stream": stream,
         },
         headers={"X-Conversation-Id": conv},
         timeout=60,
     )
     assert r.status_code == 200, r.text
     return r
+
+
+def held_by_d(r: httpx.Response, ids: list[int]) -> list[int]:
+    """What D holds after answering ``r`` (streamed or not) to a prompt of ``ids``."""
+    if not r.headers["content-type"].startswith("text/event-stream"):
+        return held_after(r, ids)
+    out: list[int] = []
+    for line in r.text.split("\n\n"):
+        if line.startswith("data: {"):
+            choices = json.loads(line[6:])["choices"]
+            out += choices[0].get("token_ids") or [] if choices else []
+    return [*ids, *out]
 
 
 def counts(s: Stack, sim: SimProcess) -> tuple[float, float]:
@@ -59,7 +73,9 @@ def test_few_new_tokens_decode_in_place_many_pull_and_pull_only_never_decodes(tm
         tmp_path,
         p_args=(("--no-prefix-caching",),),
         d_args=((), ()),
-        router={"paths": "choose", "decode_max_new_tokens": 256},
+        # a budget of 48 tokens in flight: the second decode-in-place turn runs only if the
+        # first one's tokens were given back when its stream's first bytes came
+        router={"paths": "choose", "decode_max_new_tokens": 256, "decode_tokens_in_flight": 48},
     ) as s:
         p = s.prefill[0]
         url = s.router.url
@@ -69,29 +85,31 @@ def test_few_new_tokens_decode_in_place_many_pull_and_pull_only_never_decodes(tm
         holder = next(d for d in s.decode if s.retained(d) == 1)
         other = next(d for d in s.decode if d is not holder)
 
-        for new in (30, 5):  # twice: a decode-in-place turn leaves a handle for the next one
+        # twice: a decode-in-place turn leaves a handle for the next one
+        for new, stream in ((30, True), (5, False)):
             ids = [*held, *range(2000, 2000 + new)]
             before_p, before_d, before_o = counts(s, p), counts(s, holder), counts(s, other)
-            r = turn(url, "c", ids)
+            r = turn(url, "c", ids, stream=stream)
             h = r.headers
             cached = (len(held) - 1) // BS * BS  # D's verified full blocks (vLLM: full only)
             assert h["x-agentkv-decision"] == "decode", dict(h)
             assert h["x-agentkv-reused-tokens"] == "0"
             assert int(h["x-agentkv-verified-prefix-tokens"]) == len(held) - 1
             assert int(h["x-agentkv-decode-cached-tokens"]) == cached
-            assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
+            if not stream:
+                assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
             assert h["x-agentkv-runner-up"] in ("pull", "recompute")
             assert float(h["x-agentkv-runner-up-estimate-ms"]) > float(
                 h["x-agentkv-path-estimate-ms"]
             )
             # the D that held the history prefilled exactly the new tokens; P and the other D
             # never saw the prompt (P may have had the 1-token notify freeing the old handle)
-            after = counts(s, holder)
-            assert (after[0] - before_d[0], after[1] - before_d[1]) == (len(ids), len(ids) - cached)
+            now = counts(s, holder)
+            assert (now[0] - before_d[0], now[1] - before_d[1]) == (len(ids), len(ids) - cached)
             assert counts(s, other) == before_o
             assert counts(s, p)[0] - before_p[0] <= 1
             settled(s, holder, 1)  # the old handle was freed: D holds only the new one
-            held = held_after(r, ids)
+            held = held_by_d(r, ids)
 
         # many new tokens (over decode_max_new_tokens): P reads D's KV back
         ids = [*held, *range(3000, 3400)]

@@ -173,7 +173,8 @@ class PickDecode:
 class Reserve:
     """Count ``tokens`` new prompt tokens in flight on the D at ``url`` (a decode-in-place
     turn), within its budget; answered with True, or False when the budget is full now. The
-    driver gives them back when D's answer starts or the turn fails."""
+    driver gives them back when D's first bytes arrive (a stream's first chunk, a whole
+    answer) or the request fails."""
 
     url: str
     tokens: int
@@ -211,7 +212,7 @@ class Decode:
     remember: RememberJob
     reserved: int = 0
     """New prompt tokens :class:`Reserve`\\ d for this request on D (given back when D's
-    answer starts or it fails)."""
+    first bytes arrive or it fails)."""
 
 
 @dataclass(frozen=True)
