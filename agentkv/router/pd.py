@@ -125,7 +125,7 @@ class Router:
         self._prefill_by_url = {e.url: e for e in pool.prefill}
         self.curves = load_curves(config.path_costs)
         self.in_flight = InFlight()
-        """Each D's decode-in-place prompt tokens, until D's answer starts."""
+        """Each D's decode-in-place prompt tokens, until D's first bytes arrive."""
         self._budget = DecodeBudget(config.decode_max_new_tokens, config.decode_tokens_in_flight)
 
     # -- background work -------------------------------------------------------------------
@@ -385,7 +385,6 @@ class Router:
         except (TransportError, asyncio.TimeoutError) as exc:
             engine.outstanding_requests -= 1
             kind = "first_byte" if isinstance(exc, asyncio.TimeoutError) else "connect"
-            reason: Any = "deadline" if kind == "first_byte" else "unreachable"
             if kind == "first_byte":
                 log.warning("decode %s sent nothing within %.0f s", engine.url, first_byte)
                 engine.failed(1)  # a stalled engine: out of rotation until its check passes
@@ -393,7 +392,7 @@ class Router:
                 engine.suspect()  # unreachable: it may come back as another engine
                 engine.failed(self.config.eject_after_failures)
             self.metrics.upstream_errors.labels("decode", kind).inc()
-            return core.DecodeFailed(reason)
+            return core.DecodeFailed("deadline" if kind == "first_byte" else "unreachable")
         if upstream.status_code != 200:
             content = await upstream.aread()
             await upstream.aclose()
