@@ -1,20 +1,19 @@
 """Each turn's path between real processes (docs/paths.md): with ``paths = "choose"`` a turn that
 adds a few tokens to what D holds goes straight to that D, which prefills only them from its own
 prefix cache (P is not asked); a turn with many new tokens goes through P, which reads D's KV
-back; with ``paths = "pull"`` every turn goes through P. The simulator checks every block's KV
-content: no turn runs on wrong KV."""
+back (``paths = "pull"``, which never decodes in place: ``test_paths_inprocess.py``). The
+simulator checks every block's KV content: no turn runs on wrong KV."""
 
 from __future__ import annotations
 
 import json
 import time
-from typing import Any
 
 import httpx
 import pytest
 
 from agentkv.sim.launch import SimProcess
-from tests._support.stack import MODEL, Stack, held_after, stack, start_router
+from tests._support.stack import MODEL, Stack, held_after, stack
 
 pytestmark = pytest.mark.e2e
 
@@ -68,7 +67,7 @@ def settled(s: Stack, d: SimProcess, n: int) -> None:
         time.sleep(0.05)
 
 
-def test_few_new_tokens_decode_in_place_many_pull_and_pull_only_never_decodes(tmp_path):
+def test_few_new_tokens_decode_in_place_and_many_pull(tmp_path):
     with stack(
         tmp_path,
         p_args=(("--no-prefix-caching",),),
@@ -120,24 +119,4 @@ def test_few_new_tokens_decode_in_place_many_pull_and_pull_only_never_decodes(tm
         assert "x-agentkv-decode-cached-tokens" not in r.headers
         assert counts(s, p)[0] - before_p[0] == len(ids)
 
-        # the same deployment with paths = "pull": every turn through P
-        pull_only = start_router(_config(s, paths="pull"), tmp_path)
-        s.routers.append(pull_only)
-        ids, decisions = list(range(5000, 5300)), []
-        for new in (0, 30, 5):
-            ids = [*ids, *range(6000, 6000 + new)]
-            r = turn(pull_only.url, "p", ids)
-            decisions.append(r.headers["x-agentkv-decision"])
-            assert "x-agentkv-runner-up" not in r.headers
-            ids = held_after(r, ids)
-        assert decisions == ["miss", "pull", "pull"]
         assert s.wrong_kv() == 0
-
-
-def _config(s: Stack, **router: Any) -> dict[str, Any]:
-    return {
-        "prefill": [{"url": p.url} for p in s.prefill],
-        "decode": [{"url": d.url} for d in s.decode],
-        "block_size": BS,
-        **router,
-    }

@@ -1,7 +1,8 @@
 """Decode in place when D fails, in-process (the router and simulators in one event loop): what
 the driver reports of D's failure takes the turn core's fault rows (``PATH_ROWS`` in
 ``test_turn_core.py``) — D refusing passes its error on and keeps the handle, D answering 503
-leaves its KV to read back through P, D unreachable makes P recompute; never wrong KV."""
+leaves its KV to read back through P, D unreachable makes P recompute; never wrong KV. And
+``paths = "pull"`` never decodes in place."""
 
 from __future__ import annotations
 
@@ -84,4 +85,17 @@ async def test_d_unreachable_p_recomputes_for_the_other_d(stack_args) -> None:
         assert r.status_code == 200
         assert r.headers["x-agentkv-decision"] == "recompute", dict(r.headers)
         assert s.retained(other) == 1
+        assert s.wrong_kv() == 0
+
+
+async def test_paths_pull_never_decodes_in_place() -> None:
+    async with inprocess_stack(d_args=({}, {}), router={"paths": "pull"}) as s:
+        ids, decisions = list(FIRST), []
+        for new in (0, 30, 5):
+            ids = [*ids, *range(3000, 3000 + new)]
+            r = await turn(s, ids)
+            decisions.append(r.headers["x-agentkv-decision"])
+            assert "x-agentkv-runner-up" not in r.headers
+            ids = [*ids, *r.json()["choices"][0]["token_ids"]]
+        assert decisions == ["miss", "pull", "pull"]
         assert s.wrong_kv() == 0
