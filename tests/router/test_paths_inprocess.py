@@ -6,6 +6,7 @@ leaves its KV to read back through P, D unreachable makes P recompute; never wro
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import httpx
@@ -99,3 +100,26 @@ async def test_paths_pull_never_decodes_in_place() -> None:
             ids = [*ids, *r.json()["choices"][0]["token_ids"]]
         assert decisions == ["miss", "pull", "pull"]
         assert s.wrong_kv() == 0
+
+
+async def test_a_decode_turn_in_the_metrics_the_span_and_the_log(otel, caplog) -> None:
+    async with inprocess_stack(d_args=({}, {}), router={"paths": "choose"}) as s:
+        ids, holder, _ = await first_turn(s)
+        otel.spans.clear()
+        with caplog.at_level(logging.INFO, logger="agentkv.router"):
+            r = await turn(s, ids)
+        assert r.headers["x-agentkv-decision"] == "decode"
+        found = int(r.headers["x-agentkv-decode-cached-tokens"])
+        metrics = (await s.http.get(f"{s.router.url}/metrics")).text
+        assert 'agentkv_router_requests_total{decision="decode",endpoint="chat"} 1.0' in metrics
+        (span,) = [x for x in otel.spans.get_finished_spans() if x.name == "agentkv.router.turn"]
+        attrs = dict(span.attributes or {})
+        assert attrs["agentkv.decision"] == "decode" and attrs["agentkv.prefill.url"] == ""
+        assert attrs["agentkv.decode.url"] == holder.url
+        assert attrs["agentkv.decode.cached_tokens"] == found
+        assert attrs["agentkv.path.runner_up"] == r.headers["x-agentkv-runner-up"]
+        assert attrs["agentkv.path.estimate_ms"] == pytest.approx(
+            float(r.headers["x-agentkv-path-estimate-ms"]), abs=0.05
+        )
+        (line,) = [m for m in caplog.messages if m.startswith("turn ")]
+        assert "decision=decode" in line and "prefill=-" in line and f"found={found}" in line
