@@ -45,6 +45,7 @@ from agentkv.router.upstream import (
     EnginePool,
     LocalPrefix,
     Upstream,
+    first_byte_deadline,
     pick_decode,
     pick_prefill_by_prefix,
     release,
@@ -69,6 +70,13 @@ class _Turn:
     give_back: Callable[[], None] = lambda: None
     """Gives back the turn's tokens in D's budget (once; a relayed stream's at its first bytes)."""
     relayed: bool = False
+    first: asyncio.Event | None = None
+    """A relayed stream's first bytes (D's prefill is done): the turn's releases wait for it."""
+
+    def first_bytes(self) -> None:
+        self.give_back()
+        if self.first is not None:
+            self.first.set()
 
 
 async def _drive(
@@ -172,6 +180,13 @@ class Router:
         if await release(self.pool, handle, self.config, on_error=failed):
             self.metrics.released.labels(reason).inc()
 
+    async def _release_after(self, action: core.Release, first: asyncio.Event | None) -> None:
+        """A release during a turn waits for D's first bytes: a decode-in-place turn's superseded
+        blocks stay D's prefix cache hit until D's prefill has used them."""
+        if first is not None:
+            await first.wait()
+        await self.release(action.handle, action.reason)
+
     async def close_conversation(self, tenant: str, conversation_id: str) -> bool:
         await self.retention.drop((tenant, conversation_id))
         await self.identity.drop((tenant, conversation_id))
@@ -273,17 +288,8 @@ class Router:
             if end.body is not None:
                 raise UpstreamError(end.status, end.body)
             raise RouterError(end.status, end.message, param=end.param)
-        receipt = replace(end.receipt, found=turn.found)
-        account(
-            self.metrics,
-            req,
-            list(end.prompt),
-            receipt,
-            end.prefill_url,
-            end.decode_url,
-            span,
-            turn.started,
-        )
+        receipt, urls = replace(end.receipt, found=turn.found), (end.prefill_url, end.decode_url)
+        account(self.metrics, req, list(end.prompt), receipt, *urls, span, turn.started)
         assert turn.response is not None
         return turn.response
 
@@ -312,7 +318,7 @@ class Router:
         elif isinstance(action, core.Store):
             return await store.put(action.key, action.handle, cfg.decoder_kv_blocks_ttl_s)
         elif isinstance(action, core.Release):
-            self._spawn(self.release(action.handle, action.reason))
+            self._spawn(self._release_after(action, turn.first if turn else None))
         elif isinstance(action, core.Retry):
             self.metrics.retries.labels(action.reason).inc()
         elif isinstance(action, core.Record):
@@ -378,7 +384,8 @@ class Router:
             body.pop("stream_options", None)
         engine.outstanding_requests += 1
         t0 = time.perf_counter()
-        first_byte = self._first_byte_deadline(req, len(ids), engine, relay)
+        most = req.body.get("max_completion_tokens") or req.body.get("max_tokens")
+        first_byte = first_byte_deadline(self.config, engine, most, len(ids), relay)
         try:
             send = engine.client.stream(req.path, body, trace_headers())
             upstream = await asyncio.wait_for(send, first_byte)
@@ -460,6 +467,7 @@ class Router:
                     "decode stream ended without [DONE] conversation=%s", safe(req.conversation_id)
                 )
 
+        turn.relayed, turn.first = True, asyncio.Event()
         stream = self.relay.stream(
             upstream,
             keep_ids=req.wants_token_ids,
@@ -467,24 +475,10 @@ class Router:
             on_handle=on_handle,
             on_end=on_end,
             accumulate=action.remember.pending is not None,
-            on_first=turn.give_back,
+            on_first=turn.first_bytes,
         )
-        turn.relayed = True
         turn.response = StreamingResponse(stream, media_type="text/event-stream", headers=headers)
         return core.DecodeStarted()
-
-    def _first_byte_deadline(
-        self, req: ClientRequest, n: int, engine: Upstream, relay: bool
-    ) -> float:
-        """How long D may take to its first byte: a stream's first chunk, or a non-streamed
-        answer whole (vLLM sends its headers with the body)."""
-        cfg = self.config
-        if relay:
-            return cfg.decode_first_byte_timeout_s
-        most = req.body.get("max_completion_tokens") or req.body.get("max_tokens")
-        if not isinstance(most, int):
-            most = max(1, (engine.max_model_len or n + 32_768) - n)
-        return cfg.decode_first_byte_timeout_s + most * cfg.decode_token_timeout_s
 
     async def _remember(self, job: core.RememberJob, captured: Captured, engine: Upstream) -> None:
         """Keep what D's answer leaves behind (:func:`~agentkv.router.turn.remember_plan`)."""

@@ -30,6 +30,7 @@ __all__ = [
     "EnginePool",
     "LocalPrefix",
     "Upstream",
+    "first_byte_deadline",
     "pick_decode",
     "pick_prefill",
     "pick_prefill_by_prefix",
@@ -318,3 +319,16 @@ async def release(
         if r.status_code < 500 and r.status_code != 429:
             return False  # P refused the notify itself: trying again changes nothing
     return False
+
+
+def first_byte_deadline(
+    config: RouterConfig, engine: Upstream, most: object, n: int, relay: bool
+) -> float:
+    """How long D may take to its first byte for a prompt of ``n`` tokens and ``most`` output
+    tokens (the client's ``max_tokens``, if an int): a stream's first chunk, or a non-streamed
+    answer whole (vLLM sends its headers with the body)."""
+    if relay:
+        return config.decode_first_byte_timeout_s
+    if not isinstance(most, int):
+        most = max(1, (engine.max_model_len or n + 32_768) - n)
+    return config.decode_first_byte_timeout_s + most * config.decode_token_timeout_s
