@@ -300,7 +300,8 @@ class Router:
             handles = await store.candidates(action.key)
             can_pull = any(e.healthy and e.backend.bidirectional for e in self.pool.prefill)
             engines = {e.url: e.identity for e in self.pool.decode}
-            return core.Found(handles, engines, can_pull, self.in_flight.snapshot())
+            out = frozenset(e.url for e in self.pool.decode if not e.healthy)
+            return core.Found(handles, engines, can_pull, self.in_flight.snapshot(), out)
         if isinstance(action, core.Discard):
             if action.reason:
                 self.metrics.dropped.labels(action.reason).inc()

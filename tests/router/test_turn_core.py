@@ -85,6 +85,7 @@ class World:
     """Each D's decode-in-place tokens in flight."""
     reserve: list[bool] = field(default_factory=list)
     """Per :class:`~agentkv.router.turn.Reserve`: whether D's budget takes it."""
+    unhealthy: frozenset[str] = frozenset()
 
 
 def short(url: str) -> str:
@@ -180,7 +181,9 @@ def drive(plan: Generator[core.Action, Any, Any], world: World) -> tuple[list[st
         elif isinstance(action, core.Tokenize):
             answer = world.tokenized
         elif isinstance(action, core.Candidates):
-            answer = core.Found(world.handles, world.engines, world.can_pull, world.in_flight)
+            answer = core.Found(
+                world.handles, world.engines, world.can_pull, world.in_flight, world.unhealthy
+            )
         elif isinstance(action, core.Take):
             answer = (
                 None if NAMES[action.handle_id] in world.lost_races else by_id[action.handle_id]
@@ -915,6 +918,26 @@ PATH_ROWS: list[tuple[str, World, RouterConfig, dict[str, Any], list[str], str]]
             "decode d2 via p2 [recompute M=0 C=32 L=?]",
         ],
         "answered p2->d2 [recompute M=0 C=32 L=?]",
+    ),
+    (
+        "D out of rotation: its handle is read back through P, for another D",
+        World(
+            [fresh(H1)],
+            prefill=[(P1, 0, DONE)],
+            decode=[(D2, STARTED)],
+            unhealthy=frozenset({D1}),
+        ),
+        CHOOSE,
+        {},
+        [
+            "resolve",
+            "candidates",
+            "take h1",
+            *PULL,
+            "pick-decode d1,d2 holder=d1",
+            "decode d2 via p1 [pull M=32 C=32 L=0]",
+        ],
+        "answered p1->d2 [pull M=32 C=32 L=0]",
     ),
     (
         "D is another engine now: its handle is dropped unread, never decoded in place",

@@ -269,6 +269,8 @@ class Found:
     """Some healthy P can read from D."""
     in_flight: Mapping[str, int] = field(default_factory=dict)
     """Each D's new prompt tokens of decode-in-place turns in flight (absent: none)."""
+    unhealthy: frozenset[str] = frozenset()
+    """The D's out of rotation (no turn decodes in place there)."""
 
 
 @dataclass(frozen=True)

@@ -84,11 +84,11 @@ def turn_plan(t: TurnInput, cfg: RouterConfig) -> Turn:
         yield Renew(t.key, t.lease_s)
     # the prompt is hashed once a turn: for verification, and again for what D will hold
     hashes = PromptHashes(ids, cfg.block_size, hash_root(t.model, t.cache_salt))
-    plan, in_flight = yield from _take_handle(t, cfg, hashes)
+    plan, found = yield from _take_handle(t, cfg, hashes)
     remember = RememberJob(t.key, t.epoch, hashes, resolved.pending)
     tried: set[str] = set()
     holder = plan.taken.handle.decode_url if plan.taken else None
-    choice = _choose(t, cfg, len(ids), plan, in_flight)
+    choice = _choose(t, cfg, len(ids), plan, found)
     if choice is not None and choice.path == "decode":
         end, plan, failed = yield from _decode_in_place(t, ids, plan, choice, remember, resolved)
         if end is not None:
@@ -128,14 +128,18 @@ def turn_plan(t: TurnInput, cfg: RouterConfig) -> Turn:
 
 
 def _choose(
-    t: TurnInput, cfg: RouterConfig, n: int, plan: ReusePlan, in_flight: Mapping[str, int]
+    t: TurnInput, cfg: RouterConfig, n: int, plan: ReusePlan, found: Found | None
 ) -> Choice | None:
     """The cost model's path for a turn whose verified handle P would read (None: config
     ``paths = "pull"``, or no such handle). D's prefix cache holds the handle's verified full
-    blocks (vLLM's prefix cache counts full blocks only)."""
+    blocks (vLLM's prefix cache counts full blocks only). A D out of rotation is not a place to
+    decode: its handle can only be read back."""
     if cfg.paths == "pull" or plan.taken is None or plan.params is None or plan.release:
         return None
     url = plan.taken.handle.decode_url
+    if found is None or url in found.unhealthy:
+        return None
+    in_flight = found.in_flight
     state = TurnState(
         n,
         handle_tokens=plan.attached_tokens,
@@ -251,11 +255,11 @@ def _readable(candidate: Taken, engines: Mapping[str, str | None]) -> bool | Non
 
 def _take_handle(
     t: TurnInput, cfg: RouterConfig, hashes: PromptHashes
-) -> Generator[Action, Any, tuple[ReusePlan, Mapping[str, int]]]:
+) -> Generator[Action, Any, tuple[ReusePlan, Found | None]]:
     """Choose and take a handle; a handle another replica took first is skipped. Also returns
-    each D's decode-in-place tokens in flight."""
+    what the store and the driver said (None: no conversation)."""
     if t.key is None:
-        return ReusePlan("miss", None, 0, 0, False), {}
+        return ReusePlan("miss", None, 0, 0, False), None
     found: Found = yield Candidates(t.key)
     candidates: list[Taken] = []
     for candidate in found.handles:
@@ -277,13 +281,13 @@ def _take_handle(
         for gone in plan.expired:
             yield Discard(t.key, gone.handle.id)
         if plan.taken is None:
-            return plan, found.in_flight
+            return plan, found
         releases = plan.decision if plan.release else None
         taken: Taken | None = yield Take(t.key, plan.taken.handle.id, releases)
         if taken is not None:
-            return replace(plan, taken=taken), found.in_flight
+            return replace(plan, taken=taken), found
         candidates = [c for c in candidates if c.handle.id != plan.taken.handle.id]
-    return ReusePlan("miss", None, 0, 0, False), found.in_flight
+    return ReusePlan("miss", None, 0, 0, False), found
 
 
 def _restore(key: StoreKey | None, plan: ReusePlan) -> Generator[Action, Any, None]:
