@@ -22,6 +22,7 @@ from opentelemetry import trace
 from starlette.responses import Response, StreamingResponse
 
 from agentkv.protocol import HEADER_SIM_ENGINE_ID
+from agentkv.protocol import kv_transfer as kvt
 from agentkv.protocol.http import ORJSONResponse
 from agentkv.router import turn as core
 from agentkv.router.config import RouterConfig
@@ -175,7 +176,11 @@ class Router:
         self._spawn(drop())
 
     async def release(self, handle: StoredHandle, reason: str) -> None:
-        """Tell D to free a handle's blocks now (:func:`~agentkv.router.upstream.release`)."""
+        """Tell D to free a handle's blocks now (:func:`~agentkv.router.upstream.release`);
+        never a new engine behind its URL (it never had the request)."""
+        d = self._decode_by_url.get(handle.decode_url)
+        if d is not None and d.identity not in (None, kvt.engine_id(handle.params)):
+            return
         failed = self.metrics.upstream_errors.labels("prefill", "release").inc
         if await release(self.pool, handle, self.config, on_error=failed):
             self.metrics.released.labels(reason).inc()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 
@@ -123,3 +124,16 @@ async def test_a_decode_turn_in_the_metrics_the_span_and_the_log(otel, caplog) -
         )
         (line,) = [m for m in caplog.messages if m.startswith("turn ")]
         assert "decision=decode" in line and "prefill=-" in line and f"found={found}" in line
+
+
+async def test_a_d_restarted_under_a_decode_turn_is_not_sent_the_old_handle_s_release() -> None:
+    async with inprocess_stack(d_args=({}, {}), router={"paths": "choose"}) as s:
+        ids, holder, _ = await first_turn(s)
+        holder.state.config.engine_id = "restarted"  # D answers as another engine from now on
+        before = s.metrics(s.prefill[0]).get("vllm:prompt_tokens_total", 0.0)
+        r = await turn(s, ids)
+        assert r.headers["x-agentkv-decision"] == "decode"
+        await anyio.sleep(0.2)  # releases run in the background
+        metrics = (await s.http.get(f"{s.router.url}/metrics")).text
+        assert 'reason="superseded"' not in metrics  # the new engine never had that request
+        assert s.metrics(s.prefill[0]).get("vllm:prompt_tokens_total", 0.0) == before
