@@ -166,15 +166,24 @@ def local_run(
     honor_starts: bool = False,
     lease: LeaseParams | None = None,
     client: ClientName = "sdk",
+    paths: str | None = None,
 ) -> Iterator[ReplayRun]:
     """Start ``profile`` for the run (with ``compare`` an unverified router beside agentkv's;
-    with ``lease`` a second deployment whose D keeps blocks for ``lease.max_hold_s``)."""
+    with ``lease`` a second deployment whose D keeps blocks for ``lease.max_hold_s``;
+    ``paths``: the routers' ``paths`` policy, ``choose``, ``pull`` or ``decode``, instead of
+    the profile's)."""
     _check_client(client, lease)
+    options = {"paths": paths} if paths is not None else None
     with contextlib.ExitStack() as stack:
         try:
             s = stack.enter_context(
                 local_stack(
-                    profile, time_scale=time_scale, preset=preset, costs=costs, unverified=compare
+                    profile,
+                    time_scale=time_scale,
+                    preset=preset,
+                    costs=costs,
+                    unverified=compare,
+                    router_options=options,
                 )
             )
             leased = None
@@ -187,7 +196,10 @@ def local_run(
                         costs=costs,
                         unverified=False,
                         decoder_ttl_s=int(lease.max_hold_s),
-                        router_options=lease_router_options(lease, time_scale),
+                        router_options={
+                            **lease_router_options(lease, time_scale),
+                            **(options or {}),
+                        },
                     )
                 )
         except Exception as exc:
@@ -205,7 +217,11 @@ def local_run(
             decode_urls=s.decode_urls,
             engine_urls=s.engine_urls,
             drain_timeout_s=s.decoder_ttl_real_s + 5,
-            setup={**_describe(s, preset, costs), "client": describe_client(client)},
+            setup={
+                **_describe(s, preset, costs),
+                "client": describe_client(client),
+                "paths": paths or "the profile's",
+            },
         )
         if leased is not None and lease is not None:
             own = stack_settings(

@@ -30,6 +30,10 @@ _HONOR_STARTS = "Start sessions at their trace times."
 _LEASES = "Also run agentkv with retention leases (a D with a long TTL)."
 _UI_IDLE_S = "--leases: the UI idle timeout of user waits, trace seconds."
 _MAX_HOLD_S = "--leases: D's TTL (the longest hold), trace seconds."
+_PATHS = (
+    "--local: the routers' paths policy: choose (the cost model), pull (always through P) or "
+    "decode (in place on D whenever its budget allows)."
+)
 _LEASE_ENDPOINT = "--endpoint --leases: a router before a D with a --max-hold-s TTL."
 _CLIENT = (
     "Who sends the turns: sdk (agentkv's SDK, exact mode), or a raw HTTP client that knows "
@@ -65,6 +69,7 @@ def bench_replay(
     max_hold_s: Annotated[float, typer.Option(help=_MAX_HOLD_S)] = 1800.0,
     lease_endpoint: Annotated[str | None, typer.Option(help=_LEASE_ENDPOINT)] = None,
     client: Annotated[str, typer.Option(help=_CLIENT)] = "sdk",
+    paths: Annotated[str | None, typer.Option(help=_PATHS)] = None,
     out: Annotated[str, typer.Option(help="Directory for the report.")] = "agentkv-replay",
     plots: Annotated[bool, typer.Option(help="Write PNG plots (needs matplotlib).")] = True,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
@@ -91,6 +96,12 @@ def bench_replay(
     who: Any = client
     if endpoint and local:
         typer.echo("agentkv bench replay: give --endpoint or --local, not both", err=True)
+        raise typer.Exit(2)
+    if paths not in (None, "choose", "pull", "decode"):
+        typer.echo(f"agentkv bench replay: unknown --paths {paths!r}", err=True)
+        raise typer.Exit(2)
+    if paths is not None and endpoint:
+        typer.echo("agentkv bench replay: --paths needs --local (set the router's paths)", err=True)
         raise typer.Exit(2)
     if token_scale <= 0 or time_scale <= 0:
         typer.echo("agentkv bench replay: scales must be positive", err=True)
@@ -152,6 +163,7 @@ def bench_replay(
                         honor_starts=honor_starts,
                         lease=leases,
                         client=who,
+                        paths=paths,
                     )
                 )
         except setup.SetupError as exc:

@@ -89,6 +89,14 @@ class KVTransferParams(BaseModel):
         )
 
     @classmethod
+    def in_place(cls) -> KVTransferParams:
+        """What a router sends D for a turn it decodes in place (no P): a non-empty dict that
+        asks for no transfer, so vLLM 0.33's D prefills from its own prefix cache, keeps the
+        blocks and returns its handle (``pull_scheduler.request_finished``; an empty one
+        would free them and return none)."""
+        return cls(do_remote_prefill=False, do_remote_decode=False)
+
+    @classmethod
     def from_wire(cls, data: Any) -> KVTransferParams | None:
         """Parse a wire value (``None`` stays ``None``)."""
         if data is None:

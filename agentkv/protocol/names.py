@@ -24,6 +24,7 @@ __all__ = [
     "HEADER_CODEX_SESSION_IDS",
     "HEADER_CONVERSATION_ID",
     "HEADER_DECISION",
+    "HEADER_DECODE_CACHED_TOKENS",
     "HEADER_DYNAMO_SESSION_ID",
     "HEADER_ECHO_PROMPT_TOKEN_IDS",
     "HEADER_EPOCH",
@@ -32,8 +33,11 @@ __all__ = [
     "HEADER_LEASE",
     "HEADER_LOCAL_PREFIX_TOKENS",
     "HEADER_OPENCODE_SESSION_IDS",
+    "HEADER_PATH_ESTIMATE_MS",
     "HEADER_REQUEST_ID",
     "HEADER_REUSED_TOKENS",
+    "HEADER_RUNNER_UP",
+    "HEADER_RUNNER_UP_ESTIMATE_MS",
     "HEADER_SESSION_ID",
     "HEADER_SIM_CACHED_TOKENS",
     "HEADER_SIM_COMPUTED_TOKENS",
@@ -89,11 +93,23 @@ the generated ids + the new messages' ids, as in the SDK's exact mode), ``kept-p
 history changed: the recorded ids up to the last unchanged answer + the ids of the messages after
 it) or ``rendered:<reason>``
 (the client's messages rendered as sent; reasons in ``agentkv.router.identity.REASONS``)."""
+HEADER_PATH_ESTIMATE_MS: Final = "X-AgentKV-Path-Estimate-Ms"
+"""The cost model's estimated time to first token of the path the turn took (set only when the
+cost model chose it: config ``paths``, a verified handle)."""
+HEADER_RUNNER_UP: Final = "X-AgentKV-Runner-Up"
+"""The path the cost model ranked next (``pull``, ``decode``, ``local``, ``recompute``)."""
+HEADER_RUNNER_UP_ESTIMATE_MS: Final = "X-AgentKV-Runner-Up-Estimate-Ms"
+"""Its estimated time to first token."""
+HEADER_DECODE_CACHED_TOKENS: Final = "X-AgentKV-Decode-Cached-Tokens"
+"""Decoding in place: the prompt tokens D found in its own prefix cache (and CPU tier), as D
+reported them (the simulator's headers, or a whole answer's
+``usage.prompt_tokens_details.cached_tokens``); absent when D has not said yet (a relayed
+vLLM stream: its usage comes at the end)."""
 HEADER_LEASE: Final = "X-AgentKV-Lease"
 """Seconds the router keeps a conversation's handles while its agent lives (renewed by each turn
 or ``POST /v1/conversations/{id}/lease``); when it lapses, D's blocks are released at once."""
 
-DECISIONS: Final = ("pull", "local", "recompute", "miss", "stale", "expired")
+DECISIONS: Final = ("pull", "decode", "local", "recompute", "miss", "stale", "expired")
 """Values of ``X-AgentKV-Decision``."""
 
 # -- headers: simulator receipts (agentkv's own engine simulator only) --------------------------

@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from agentkv.protocol.kv_events import KVEventsConfig
+from agentkv.router.paths import load_curves
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -203,6 +204,25 @@ class RouterConfig(BaseModel):
     tokenize_with: Literal["prefill", "decode"] = "prefill"
     """Which instance's ``/tokenize`` renders prompts that arrive without token ids."""
 
+    # -- each turn's path (docs/paths.md): pull D's KV back, or decode in place on D --------------
+    paths: Literal["choose", "pull", "decode"] = "pull"
+    """How a turn whose verified handle lives on a D reaches its first token. ``pull`` (the
+    default, as before issue 24): always through P, which reads D's KV back. ``choose``: the
+    path the cost model (:mod:`agentkv.router.paths`) estimates fastest within D's budget:
+    ``decode`` (straight to that D, which prefills the new tokens from its own prefix cache)
+    or the P path. ``decode``: decode in place whenever D's budget allows it (benchmarks by
+    path)."""
+    decode_max_new_tokens: int = Field(2048, ge=0)
+    """A decode-in-place turn prefills at most this many new prompt tokens on D (Dynamo's
+    conditional-disaggregation threshold)."""
+    decode_tokens_in_flight: int = Field(8192, ge=0)
+    """Prompt tokens decode-in-place turns may have prefilling on one D at once (one step's
+    ``max_num_batched_tokens``); from the request until D's first bytes arrive (a stream's
+    first chunk: vLLM sends it after the prefill) or it fails."""
+    path_costs: str | None = None
+    """A cost file written by ``agentkv calibrate --out`` (JSON; its ``curves``) for the cost
+    model. Unset: the published figures of ``agentkv.router.paths.Curves``."""
+
     # -- hardening: tenancy salts, admin endpoints, logs -----------------------------------------
     salt_secret: str | None = None
     """Key of the HMAC that derives each tenant's ``cache_salt`` from its name (every replica
@@ -240,6 +260,13 @@ class RouterConfig(BaseModel):
     identity_max_tokens: int = Field(16_777_216, ge=1)
     """Token ids kept in all by the memory ledger (4 bytes each; least recently used
     conversations go first). With a Redis store the entries live in Redis, with the router TTL."""
+
+    @field_validator("path_costs")
+    @classmethod
+    def _check_path_costs(cls, path: str | None) -> str | None:
+        """A cost file that does not load is refused at start-up, not at the first turn."""
+        load_curves(path)
+        return path
 
     @model_validator(mode="after")
     def _check_hardening(self) -> RouterConfig:

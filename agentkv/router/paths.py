@@ -29,12 +29,17 @@ The decode-side paths (``decode``, ``cpu``) prefill on D, which slows D's runnin
 of their steps is longer by ``slowdown × min(tokens in flight, max_num_batched_tokens)`` while the
 prefill runs. They are allowed only when the new tokens are at most ``budget.max_new_tokens`` and
 D's prompt tokens in flight, these included, stay within ``budget.tokens_in_flight``.
+
+The router's turn core (:mod:`agentkv.router.turn`) calls :func:`choose` on every turn with a
+verified handle (config ``paths``); :class:`InFlight` is its per-D count of tokens in flight.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
+from pathlib import Path as FilePath
 from typing import Any, Literal
 
 __all__ = [
@@ -43,11 +48,13 @@ __all__ = [
     "Curves",
     "DecodeBudget",
     "Estimate",
+    "InFlight",
     "Path",
     "TurnState",
     "choose",
     "curves_from",
     "estimate",
+    "load_curves",
 ]
 
 Path = Literal["pull", "decode", "local", "recompute", "cpu"]
@@ -134,6 +141,20 @@ def curves_from(data: Mapping[str, Any], *, cpu_tier: bool = True) -> Curves:
     if not cpu_tier:
         values["cpu_load_s_per_token"] = None
     return Curves(**values)
+
+
+def load_curves(path: str | None) -> Curves:
+    """The curves of a cost file (``agentkv calibrate --out``); the defaults when ``path`` is
+    None. Raises ``ValueError`` on a file that is not one."""
+    if path is None:
+        return Curves()
+    try:
+        data = json.loads(FilePath(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"path_costs {path!r}: {exc}") from None
+    if not isinstance(data, Mapping):
+        raise ValueError(f"path_costs {path!r}: not a JSON object")
+    return curves_from(data)
 
 
 @dataclass(frozen=True)
@@ -299,3 +320,39 @@ def choose(
         estimates,
         excluded,
     )
+
+
+class InFlight:
+    """Each D's new prompt tokens of decode-in-place turns, from the request until D's first
+    bytes arrive or it fails (the router's own count: the budget ``choose`` checks)."""
+
+    def __init__(self) -> None:
+        self._tokens: dict[str, int] = {}
+
+    def snapshot(self) -> dict[str, int]:
+        return dict(self._tokens)
+
+    def reserve(self, url: str, tokens: int, budget: DecodeBudget) -> bool:
+        """Count ``tokens`` on ``url`` if the budget allows them; whether it did."""
+        now = self._tokens.get(url, 0)
+        if tokens > budget.max_new_tokens or now + tokens > budget.tokens_in_flight:
+            return False
+        self._tokens[url] = now + tokens
+        return True
+
+    def give_back(self, url: str, tokens: int) -> Callable[[], None]:
+        """A call that releases ``tokens`` on ``url`` the first time it is made."""
+        left = [tokens]
+
+        def release() -> None:
+            self.release(url, left.pop() if left else 0)
+
+        return release
+
+    def release(self, url: str, tokens: int) -> None:
+        if tokens:
+            left = self._tokens.get(url, 0) - tokens
+            if left > 0:
+                self._tokens[url] = left
+            else:
+                self._tokens.pop(url, None)

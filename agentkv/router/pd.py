@@ -14,14 +14,15 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import orjson
 from opentelemetry import trace
 from starlette.responses import Response, StreamingResponse
 
-from agentkv.protocol import HEADER_SIM_ENGINE_ID, KVTransferParams
+from agentkv.protocol import HEADER_SIM_ENGINE_ID
+from agentkv.protocol import kv_transfer as kvt
 from agentkv.protocol.errors import APIError, UpstreamError
 from agentkv.protocol.http import ORJSONResponse
 from agentkv.router import turn as core
@@ -32,8 +33,9 @@ from agentkv.router.identity import Identity, MemoryLedger
 from agentkv.router.leases import Leases, MemoryLeases
 from agentkv.router.logs import safe
 from agentkv.router.metrics import RouterMetrics
+from agentkv.router.paths import DecodeBudget, InFlight, load_curves
 from agentkv.router.prompts import Tokenizer
-from agentkv.router.receipt import Receipt, account, sim_receipt
+from agentkv.router.receipt import Receipt, account, decode_found, sim_receipt
 from agentkv.router.relay import Relay, StreamOutcome
 from agentkv.router.request import ClientRequest, TokenIds, wire_ids
 from agentkv.router.retention import Retention
@@ -44,9 +46,10 @@ from agentkv.router.upstream import (
     EnginePool,
     LocalPrefix,
     Upstream,
+    first_byte_deadline,
     pick_decode,
-    pick_prefill,
     pick_prefill_by_prefix,
+    release,
 )
 
 __all__ = ["LocalPrefix", "Receipt", "Router"]
@@ -63,6 +66,18 @@ class _Turn:
     req: ClientRequest
     started: float
     response: Response | None = None
+    found: int | None = None
+    """Decoding in place: what D said it found cached."""
+    give_back: Callable[[], None] = lambda: None
+    """Gives back the turn's tokens in D's budget (once; a relayed stream's at its first bytes)."""
+    relayed: bool = False
+    first: asyncio.Event | None = None
+    """A relayed stream's first bytes (D's prefill is done): the turn's releases wait for it."""
+
+    def first_bytes(self) -> None:
+        self.give_back()
+        if self.first is not None:
+            self.first.set()
 
 
 async def _drive(
@@ -117,6 +132,10 @@ class Router:
             engine.on_new_identity.append(self._drop_handles_of_old)
         self._decode_by_url = {e.url: e for e in pool.decode}
         self._prefill_by_url = {e.url: e for e in pool.prefill}
+        self.curves = load_curves(config.path_costs)
+        self.in_flight = InFlight()
+        """Each D's decode-in-place prompt tokens, until D's first bytes arrive."""
+        self._budget = DecodeBudget(config.decode_max_new_tokens, config.decode_tokens_in_flight)
 
     # -- background work -------------------------------------------------------------------
     def _spawn(self, coro: Any) -> None:
@@ -157,34 +176,21 @@ class Router:
         self._spawn(drop())
 
     async def release(self, handle: StoredHandle, reason: str) -> None:
-        """Tell D to free a handle's blocks now: a notify-only P request, tried like a turn's
-        P request (``retries`` more times), so one failing P does not leave D pinning the
-        blocks until its TTL."""
-        params = KVTransferParams.model_validate(handle.params).for_reading().release_only()
-        body = {
-            "prompt": handle.tail_tokens[:1] or [0],
-            "max_tokens": 1,
-            "kv_transfer_params": params.to_wire(),
-        }
-        for _attempt in range(self.config.retries + 1):
-            engine = pick_prefill(
-                self.pool.prefill, None, cap_tokens=1 << 62, need_bidirectional=True
-            )
-            if engine is None:
-                return
-            try:
-                r = await engine.client.post(
-                    "/v1/completions", body, timeout=self.config.prefill_deadline_s
-                )
-            except TransportError:
-                self.metrics.upstream_errors.labels("prefill", "release").inc()
-                continue
-            if r.status_code == 200:
-                self.metrics.released.labels(reason).inc()
-                return
-            self.metrics.upstream_errors.labels("prefill", "release").inc()
-            if r.status_code < 500 and r.status_code != 429:
-                return  # P refused the notify itself: trying again changes nothing
+        """Tell D to free a handle's blocks now (:func:`~agentkv.router.upstream.release`);
+        never a new engine behind its URL (it never had the request)."""
+        d = self._decode_by_url.get(handle.decode_url)
+        if d is not None and d.identity not in (None, kvt.engine_id(handle.params)):
+            return
+        failed = self.metrics.upstream_errors.labels("prefill", "release").inc
+        if await release(self.pool, handle, self.config, on_error=failed):
+            self.metrics.released.labels(reason).inc()
+
+    async def _release_after(self, action: core.Release, first: asyncio.Event | None) -> None:
+        """A release during a turn waits for D's first bytes: a decode-in-place turn's superseded
+        blocks stay D's prefix cache hit until D's prefill has used them."""
+        if first is not None:
+            await first.wait()
+        await self.release(action.handle, action.reason)
 
     async def close_conversation(self, tenant: str, conversation_id: str) -> bool:
         await self.retention.drop((tenant, conversation_id))
@@ -280,16 +286,15 @@ class Router:
             lease_s=req.lease_s,
             max_tokens=req.body.get("max_completion_tokens") or req.body.get("max_tokens"),
             context_limit=min(known) if known else None,
+            curves=self.curves,
         )
         end = await _drive(core.turn_plan(t, self.config), lambda a: self._perform(a, turn))
         if isinstance(end, core.Fail):
             if end.body is not None:
                 raise UpstreamError(end.status, end.body)
             raise APIError(end.status, end.message, param=end.param)
-        ids = list(end.prompt)
-        account(
-            self.metrics, req, ids, end.receipt, end.prefill_url, end.decode_url, span, turn.started
-        )
+        receipt, urls = replace(end.receipt, found=turn.found), (end.prefill_url, end.decode_url)
+        account(self.metrics, req, list(end.prompt), receipt, *urls, span, turn.started)
         assert turn.response is not None
         return turn.response
 
@@ -299,7 +304,9 @@ class Router:
         if isinstance(action, core.Candidates):
             handles = await store.candidates(action.key)
             can_pull = any(e.healthy and e.backend.bidirectional for e in self.pool.prefill)
-            return core.Found(handles, {e.url: e.identity for e in self.pool.decode}, can_pull)
+            engines = {e.url: e.identity for e in self.pool.decode}
+            out = frozenset(e.url for e in self.pool.decode if not e.healthy)
+            return core.Found(handles, engines, can_pull, self.in_flight.snapshot(), out)
         if isinstance(action, core.Discard):
             if action.reason:
                 self.metrics.dropped.labels(action.reason).inc()
@@ -317,13 +324,15 @@ class Router:
         elif isinstance(action, core.Store):
             return await store.put(action.key, action.handle, cfg.decoder_kv_blocks_ttl_s)
         elif isinstance(action, core.Release):
-            self._spawn(self.release(action.handle, action.reason))
+            self._spawn(self._release_after(action, turn.first if turn else None))
         elif isinstance(action, core.Retry):
             self.metrics.retries.labels(action.reason).inc()
         elif isinstance(action, core.Record):
             await self.identity.record(action.pending, action.prompt, action.output, action.message)
         elif isinstance(action, core.Identify):
             self._decode_by_url[action.url].identify(action.engine_id)
+        elif isinstance(action, core.Reserve):
+            return self.in_flight.reserve(action.url, action.tokens, self._budget)
         elif isinstance(action, core.PickDecode):
             engine = pick_decode([self._decode_by_url[u] for u in action.candidates], action.holder)
             return None if engine is None else engine.url
@@ -355,7 +364,12 @@ class Router:
         if isinstance(action, core.Prefill):
             return await self._prefill(req, action)
         assert isinstance(action, core.Decode)
-        return await self._decode(turn, action, self._decode_by_url[action.url])
+        turn.give_back = self.in_flight.give_back(action.url, action.reserved)
+        try:
+            return await self._decode(turn, action, self._decode_by_url[action.url])
+        finally:  # D answered whole, or failed; a stream gives them back at its first bytes
+            if not turn.relayed:
+                turn.give_back()
 
     # -- decode ------------------------------------------------------------------------------
     async def _decode(self, turn: _Turn, action: core.Decode, engine: Upstream) -> Any:
@@ -376,7 +390,8 @@ class Router:
             body.pop("stream_options", None)
         engine.outstanding_requests += 1
         t0 = time.perf_counter()
-        first_byte = self._first_byte_deadline(req, len(ids), engine, relay)
+        most = req.body.get("max_completion_tokens") or req.body.get("max_tokens")
+        first_byte = first_byte_deadline(self.config, engine, most, len(ids), relay)
         try:
             send = engine.client.stream(req.path, body, trace_headers())
             upstream = await asyncio.wait_for(send, first_byte)
@@ -390,7 +405,7 @@ class Router:
                 engine.suspect()  # unreachable: it may come back as another engine
                 engine.failed(self.config.eject_after_failures)
             self.metrics.upstream_errors.labels("decode", kind).inc()
-            return core.DecodeFailed()
+            return core.DecodeFailed("deadline" if kind == "first_byte" else "unreachable")
         if upstream.status_code != 200:
             content = await upstream.aread()
             await upstream.aclose()
@@ -404,6 +419,9 @@ class Router:
         self.metrics.d_first_byte.observe(time.perf_counter() - t0)
         self.metrics.first_byte.labels(receipt.decision).observe(time.perf_counter() - started)
         headers.update(sim_receipt(action.sim_headers, upstream.headers))
+        if action.prefill_url is None:  # decoded in place: what D says it found cached
+            turn.found = decode_found(upstream.headers)
+            headers.update(replace(receipt, found=turn.found).headers())
         if not relay:
             try:
                 data = orjson.loads(await upstream.aread())
@@ -414,6 +432,9 @@ class Router:
                 await upstream.aclose()
                 engine.outstanding_requests -= 1
             engine.ok()
+            if action.prefill_url is None and turn.found is None:
+                turn.found = decode_found({}, data)
+                headers.update(replace(receipt, found=turn.found).headers())
             captured = clean_response(
                 data, keep_ids=req.wants_token_ids, keep_prompt_ids=req.wants_prompt_ids
             )
@@ -452,6 +473,7 @@ class Router:
                     "decode stream ended without [DONE] conversation=%s", safe(req.conversation_id)
                 )
 
+        turn.relayed, turn.first = True, asyncio.Event()
         stream = self.relay.stream(
             upstream,
             keep_ids=req.wants_token_ids,
@@ -459,22 +481,10 @@ class Router:
             on_handle=on_handle,
             on_end=on_end,
             accumulate=action.remember.pending is not None,
+            on_first=turn.first_bytes,
         )
         turn.response = StreamingResponse(stream, media_type="text/event-stream", headers=headers)
         return core.DecodeStarted()
-
-    def _first_byte_deadline(
-        self, req: ClientRequest, n: int, engine: Upstream, relay: bool
-    ) -> float:
-        """How long D may take to its first byte: a stream's first chunk, or a non-streamed
-        answer whole (vLLM sends its headers with the body)."""
-        cfg = self.config
-        if relay:
-            return cfg.decode_first_byte_timeout_s
-        most = req.body.get("max_completion_tokens") or req.body.get("max_tokens")
-        if not isinstance(most, int):
-            most = max(1, (engine.max_model_len or n + 32_768) - n)
-        return cfg.decode_first_byte_timeout_s + most * cfg.decode_token_timeout_s
 
     async def _remember(self, job: core.RememberJob, captured: Captured, engine: Upstream) -> None:
         """Keep what D's answer leaves behind (:func:`~agentkv.router.turn.remember_plan`)."""

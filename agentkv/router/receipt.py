@@ -7,15 +7,22 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from opentelemetry import trace
 
 from agentkv.protocol import (
     HEADER_DECISION,
+    HEADER_DECODE_CACHED_TOKENS,
     HEADER_ESTIMATED,
     HEADER_IDENTITY,
     HEADER_LOCAL_PREFIX_TOKENS,
+    HEADER_PATH_ESTIMATE_MS,
     HEADER_REUSED_TOKENS,
+    HEADER_RUNNER_UP,
+    HEADER_RUNNER_UP_ESTIMATE_MS,
+    HEADER_SIM_CACHED_TOKENS,
+    HEADER_SIM_CPU_TOKENS,
     HEADER_SIM_MODEL_TTFT_MS,
     HEADER_SIM_WRONG_KV_TOKENS,
     HEADER_TRIM_CAUSE,
@@ -25,7 +32,7 @@ from agentkv.router.logs import safe
 from agentkv.router.metrics import RouterMetrics
 from agentkv.router.request import ClientRequest
 
-__all__ = ["Receipt", "account", "sim_receipt"]
+__all__ = ["Receipt", "account", "decode_found", "sim_receipt"]
 
 log = logging.getLogger("agentkv.router")
 
@@ -45,6 +52,14 @@ class Receipt:
     identity: str | None = None
     """``kept``, ``kept-prefix`` or ``rendered:<reason>`` (chat turns;
     :mod:`agentkv.router.identity`)."""
+    estimate_s: float | None = None
+    """The cost model's TTFT estimate of the path taken (None: it did not choose this one)."""
+    runner_up: str | None = None
+    """The path it ranked next, and that path's estimate."""
+    runner_up_s: float | None = None
+    found: int | None = None
+    """Decoding in place: the prompt tokens D found cached, as D reported them (None: not said
+    yet)."""
 
     def headers(self) -> dict[str, str]:
         out = {
@@ -52,10 +67,19 @@ class Receipt:
             HEADER_REUSED_TOKENS: str(self.reused),
             HEADER_VERIFIED_PREFIX_TOKENS: str(self.verified),
         }
-        if self.local is None:
+        if self.decision == "decode":
+            pass  # decoded in place: no P, so no L
+        elif self.local is None:
             out[HEADER_ESTIMATED] = "1"
         else:
             out[HEADER_LOCAL_PREFIX_TOKENS] = str(self.local)
+        if self.estimate_s is not None:
+            out[HEADER_PATH_ESTIMATE_MS] = f"{self.estimate_s * 1000:.1f}"
+        if self.runner_up is not None and self.runner_up_s is not None:
+            out[HEADER_RUNNER_UP] = self.runner_up
+            out[HEADER_RUNNER_UP_ESTIMATE_MS] = f"{self.runner_up_s * 1000:.1f}"
+        if self.found is not None:
+            out[HEADER_DECODE_CACHED_TOKENS] = str(self.found)
         if self.cause:
             out[HEADER_TRIM_CAUSE] = self.cause
         if self.identity:
@@ -85,12 +109,29 @@ def sim_receipt(prefill: Mapping[str, str], decode: Mapping[str, str]) -> dict[s
     return out
 
 
+def decode_found(headers: Mapping[str, str], body: Any = None) -> int | None:
+    """What D says it found cached of a direct request's prompt: the simulator's headers (GPU
+    prefix hit + CPU tier), else a whole answer's ``usage.prompt_tokens_details.cached_tokens``
+    (vLLM: D's own prefix-cache hit); None when D has not said."""
+    if HEADER_SIM_CACHED_TOKENS in headers:
+        try:
+            return int(headers[HEADER_SIM_CACHED_TOKENS]) + int(
+                headers.get(HEADER_SIM_CPU_TOKENS, 0)
+            )
+        except ValueError:
+            return None
+    usage = body.get("usage") if isinstance(body, dict) else None
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if isinstance(cached, int) and not isinstance(cached, bool) else None
+
+
 def account(
     metrics: RouterMetrics,
     req: ClientRequest,
     ids: list[int],
     r: Receipt,
-    prefill_url: str,
+    prefill_url: str | None,
     decode_url: str,
     span: trace.Span,
     started: float,
@@ -100,10 +141,10 @@ def account(
     metrics.reused_tokens.inc(r.reused)
     metrics.verified_tokens.inc(r.verified)
     metrics.prompt_tokens.inc(len(ids))
-    if r.local is None:
-        metrics.estimated.inc()
-    else:
+    if r.local is not None:
         metrics.local_prefix_tokens.inc(r.local)
+    elif r.decision != "decode":  # decoded in place: no P, no L to estimate
+        metrics.estimated.inc()
     if r.cause:
         metrics.trimmed.labels(r.cause).inc()
     if r.identity:
@@ -118,13 +159,19 @@ def account(
             "agentkv.local_prefix_tokens": -1 if r.local is None else r.local,
             "agentkv.identity": r.identity or "",
             "agentkv.prompt_tokens": len(ids),
-            "agentkv.prefill.url": prefill_url,
+            "agentkv.prefill.url": prefill_url or "",
             "agentkv.decode.url": decode_url,
+            "agentkv.path.estimate_ms": -1.0 if r.estimate_s is None else r.estimate_s * 1000,
+            "agentkv.path.runner_up": r.runner_up or "",
+            "agentkv.path.runner_up_estimate_ms": (
+                -1.0 if r.runner_up_s is None else r.runner_up_s * 1000
+            ),
+            "agentkv.decode.cached_tokens": -1 if r.found is None else r.found,
         }
     )
     log.info(
         "turn conversation=%s source=%s tenant=%s epoch=%d decision=%s reused=%d verified=%d "
-        "local=%s prompt_tokens=%d prefill=%s decode=%s ms=%.1f",
+        "local=%s prompt_tokens=%d prefill=%s decode=%s runner_up=%s found=%s ms=%.1f",
         safe(req.conversation_id),
         req.conversation_source,
         safe(req.tenant),
@@ -134,8 +181,10 @@ def account(
         r.verified,
         "?" if r.local is None else r.local,
         len(ids),
-        prefill_url,
+        prefill_url or "-",
         decode_url,
+        r.runner_up or "-",
+        "?" if r.found is None else r.found,
         (time.perf_counter() - started) * 1000,
         extra={
             "conversation_id": safe(req.conversation_id or ""),
@@ -147,5 +196,7 @@ def account(
             "verified": r.verified,
             "local": r.local,
             "prompt_tokens": len(ids),
+            "runner_up": r.runner_up,
+            "decode_cached_tokens": r.found,
         },
     )

@@ -69,10 +69,12 @@ class Relay:
         on_end: Callable[[StreamOutcome], None],
         keep_prompt_ids: bool | None = None,
         accumulate: bool = False,
+        on_first: Callable[[], None] | None = None,
     ) -> AsyncIterator[bytes]:
         """The client's SSE bytes; D is read by a task of its own. ``keep_prompt_ids`` (default
         ``keep_ids``): pass D's echo of the prompt's ids. ``accumulate``: keep the assistant
-        message (``Captured.answer``) for token identity."""
+        message (``Captured.answer``) for token identity. ``on_first``: called once, when D's
+        first bytes arrive (or the stream ends without any)."""
         queue: asyncio.Queue[bytes | None] = asyncio.Queue()
         outcome = StreamOutcome()
         events = EventRelay(
@@ -82,7 +84,7 @@ class Relay:
             accumulate=accumulate,
         )
         task = asyncio.ensure_future(
-            self._read(upstream, queue, outcome, events, on_handle=on_handle)
+            self._read(upstream, queue, outcome, events, on_handle=on_handle, on_first=on_first)
         )
         self._tasks.add(task)
 
@@ -116,12 +118,16 @@ class Relay:
         events: EventRelay,
         *,
         on_handle: Callable[[Captured], Awaitable[None]],
+        on_first: Callable[[], None] | None = None,
     ) -> None:
         captured = events.captured
         remembered = False
         draining_since: float | None = None
         try:
             async for data in upstream.aiter_raw():
+                if on_first is not None:
+                    on_first()
+                    on_first = None
                 if outcome.abandoned and draining_since is None:
                     draining_since = time.monotonic()
                     self.draining += 1
@@ -156,6 +162,8 @@ class Relay:
             queue.put_nowait(sse(error_body(502, message)))
             queue.put_nowait(_DONE)
         finally:
+            if on_first is not None:
+                on_first()
             if draining_since is not None:
                 self.draining -= 1
             queue.put_nowait(None)

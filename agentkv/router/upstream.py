@@ -20,18 +20,21 @@ from typing import Protocol
 
 import httpx
 
-from agentkv.protocol import HEADER_SIM_ENGINE_ID
+from agentkv.protocol import HEADER_SIM_ENGINE_ID, KVTransferParams
 from agentkv.router.config import Backend, RouterConfig
 from agentkv.router.http import AiohttpClient, EngineClient, HttpxClient, Pool, TransportError
+from agentkv.router.store import StoredHandle
 from agentkv.router.tasks import cancel_and_wait
 
 __all__ = [
     "EnginePool",
     "LocalPrefix",
     "Upstream",
+    "first_byte_deadline",
     "pick_decode",
     "pick_prefill",
     "pick_prefill_by_prefix",
+    "release",
 ]
 
 log = logging.getLogger("agentkv.router")
@@ -287,3 +290,45 @@ class EnginePool:
         for e in self.all:
             await e.client.aclose()
             await e.health.aclose()
+
+
+async def release(
+    pool: EnginePool, handle: StoredHandle, config: RouterConfig, *, on_error: Callable[[], None]
+) -> bool:
+    """Tell D to free a handle's blocks now: a notify-only P request, tried like a turn's P
+    request (``retries`` more times), so one failing P does not leave D pinning the blocks
+    until its TTL. Whether a P took the notify (``on_error`` is called for each failure)."""
+    params = KVTransferParams.model_validate(handle.params).for_reading().release_only()
+    body = {
+        "prompt": handle.tail_tokens[:1] or [0],
+        "max_tokens": 1,
+        "kv_transfer_params": params.to_wire(),
+    }
+    for _attempt in range(config.retries + 1):
+        engine = pick_prefill(pool.prefill, None, cap_tokens=1 << 62, need_bidirectional=True)
+        if engine is None:
+            return False
+        try:
+            r = await engine.client.post("/v1/completions", body, timeout=config.prefill_deadline_s)
+        except TransportError:
+            on_error()
+            continue
+        if r.status_code == 200:
+            return True
+        on_error()
+        if r.status_code < 500 and r.status_code != 429:
+            return False  # P refused the notify itself: trying again changes nothing
+    return False
+
+
+def first_byte_deadline(
+    config: RouterConfig, engine: Upstream, most: object, n: int, relay: bool
+) -> float:
+    """How long D may take to its first byte for a prompt of ``n`` tokens and ``most`` output
+    tokens (the client's ``max_tokens``, if an int): a stream's first chunk, or a non-streamed
+    answer whole (vLLM sends its headers with the body)."""
+    if relay:
+        return config.decode_first_byte_timeout_s
+    if not isinstance(most, int):
+        most = max(1, (engine.max_model_len or n + 32_768) - n)
+    return config.decode_first_byte_timeout_s + most * config.decode_token_timeout_s

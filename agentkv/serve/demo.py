@@ -120,6 +120,8 @@ DECISIONS = {
     "conversation id)",
     "pull": "P read the verified history's KV back from D instead of recomputing it "
     "([bold]trimmed[/]: after a rewrite, only the prefix the rewrite left unchanged)",
+    "decode": "the turn went straight to the D that held the history, which prefilled only "
+    "the new tokens from its own prefix cache (router config paths = choose)",
     "stale": "a handle the prompt does not extend, released, nothing read",
     "local": "P's own prefix cache held what D offered; nothing read",
     "recompute": "too little to read; recomputed",

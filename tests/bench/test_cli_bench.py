@@ -79,3 +79,9 @@ def test_replay_bad_input(small_trace: Path):
     assert r.exit_code == 2 and "--unverified-endpoint" in r.output
     r = runner.invoke(app, ["bench", "replay", str(small_trace), "--time-scale", "0"])
     assert r.exit_code == 2 and "positive" in r.output
+    r = runner.invoke(app, ["bench", "replay", str(small_trace), "--paths", "fastest"])
+    assert r.exit_code == 2 and "unknown --paths" in r.output
+    r = runner.invoke(
+        app, ["bench", "replay", str(small_trace), "--endpoint", "http://x/v1", "--paths", "pull"]
+    )
+    assert r.exit_code == 2 and "--paths needs --local" in r.output

@@ -10,10 +10,12 @@ import pytest
 from agentkv.router.paths import (
     Curves,
     DecodeBudget,
+    InFlight,
     Path,
     TurnState,
     choose,
     curves_from,
+    load_curves,
 )
 from agentkv.sim.costmodel import PRESETS
 
@@ -211,3 +213,28 @@ def test_cached_counts_leave_the_last_token_to_compute() -> None:
     assert choice.estimates["local"].computed_tokens == 1
     assert choice.estimates["decode"].computed_tokens == 1
     assert dataclasses.replace(choice.estimates["decode"]).transferred_tokens == 0
+
+
+def test_in_flight_counts_each_d_within_its_budget_and_gives_back_once() -> None:
+    budget = DecodeBudget(max_new_tokens=32, tokens_in_flight=48)
+    f = InFlight()
+    assert not f.reserve("d1", 33, budget)  # more new tokens than one turn may bring
+    assert f.reserve("d1", 30, budget) and f.reserve("d2", 30, budget)
+    assert not f.reserve("d1", 30, budget)  # 60 > 48 on d1
+    back = f.give_back("d1", 30)
+    back()
+    back()  # a second call gives back nothing more
+    assert f.snapshot() == {"d2": 30}
+    assert f.reserve("d1", 30, budget) and f.reserve("d1", 18, budget)
+    assert f.snapshot() == {"d1": 48, "d2": 30}
+
+
+def test_load_curves_reads_a_calibrate_cost_file(tmp_path) -> None:
+    path = tmp_path / "costs.json"
+    path.write_text('{"cost_model": {}, "curves": {"prefill_d_s_per_token": 4e-5}}')
+    assert load_curves(str(path)).prefill_d_s_per_token == 4e-5
+    assert load_curves(None) == Curves()
+    path.write_text("[1]")
+    for bad in (str(path), str(tmp_path / "missing.json")):
+        with pytest.raises(ValueError, match="path_costs"):
+            load_curves(bad)

@@ -13,6 +13,7 @@ from agentkv.protocol import KVTransferParams
 from agentkv.router import turn as core
 from agentkv.router.config import RouterConfig
 from agentkv.router.identity import Pending, Resolved
+from agentkv.router.paths import Curves, TurnState, choose
 from agentkv.router.receipt import Receipt
 from agentkv.router.sse import Captured
 from agentkv.router.store import StoredHandle, Taken
@@ -30,6 +31,7 @@ CFG = RouterConfig.model_validate(
         "block_size": BS,
         "kv_recompute_threshold": 8,
         "retries": 2,
+        "paths": "pull",  # through P (the decode-in-place rows: PATH_ROWS)
     }
 )
 OLD = CFG.router_ttl_s + 1
@@ -79,6 +81,11 @@ class World:
     displaced: list[StoredHandle] = field(default_factory=list)
     resolved: Resolved = field(default_factory=lambda: Resolved(None, None))
     tokenized: list[int] = field(default_factory=lambda: list(PROMPT))
+    in_flight: dict[str, int] = field(default_factory=dict)
+    """Each D's decode-in-place tokens in flight."""
+    reserve: list[bool] = field(default_factory=list)
+    """Per :class:`~agentkv.router.turn.Reserve`: whether D's budget takes it."""
+    unhealthy: frozenset[str] = frozenset()
 
 
 def short(url: str) -> str:
@@ -92,7 +99,9 @@ def name(h: StoredHandle) -> str:
 def show_receipt(r: Any) -> str:
     local = "?" if r.local is None else r.local
     cause = f" {r.cause}" if r.cause else ""
-    return f"{r.decision} M={r.reused} C={r.verified} L={local}{cause}"
+    # the cost model's choice: the runner-up (its estimate is checked in test_turn_paths.py)
+    chosen = f" next={r.runner_up}" if r.estimate_s is not None else ""
+    return f"{r.decision} M={r.reused} C={r.verified} L={local}{cause}{chosen}"
 
 
 def show(a: core.Action) -> str:
@@ -126,8 +135,14 @@ def show(a: core.Action) -> str:
     if isinstance(a, core.PickDecode):
         holder = short(a.holder) if a.holder else "-"
         return f"pick-decode {','.join(short(u) for u in a.candidates)} holder={holder}"
+    if isinstance(a, core.Reserve):
+        return f"reserve {short(a.url)} {a.tokens}"
     if isinstance(a, core.Decode):
-        assert a.params == P_HANDLE and list(a.remember.prompt.prompt) == list(PROMPT)
+        assert list(a.remember.prompt.prompt) == list(PROMPT)
+        if a.prefill_url is None:
+            assert a.params == core.KEEP_ON_DECODE and a.reserved > 0
+            return f"decode {short(a.url)} in place [{show_receipt(a.receipt)}]"
+        assert a.params == P_HANDLE and a.reserved == 0
         return f"decode {short(a.url)} via {short(a.prefill_url)} [{show_receipt(a.receipt)}]"
     if isinstance(a, core.Record):
         return f"record {len(a.prompt)}+{len(a.output)}"
@@ -139,7 +154,8 @@ def show(a: core.Action) -> str:
 def show_end(end: core.End) -> str:
     if isinstance(end, core.Answered):
         assert list(end.prompt) == list(PROMPT)
-        via = f"{short(end.prefill_url)}->{short(end.decode_url)}"
+        p = "in place" if end.prefill_url is None else short(end.prefill_url)
+        via = f"{p}->{short(end.decode_url)}"
         return f"answered {via} [{show_receipt(end.receipt)}]"
     what = end.body.decode() if end.body is not None else end.message
     return f"fail {end.status} {what}"
@@ -148,7 +164,7 @@ def show_end(end: core.End) -> str:
 def drive(plan: Generator[core.Action, Any, Any], world: World) -> tuple[list[str], Any]:
     """Run a plan against ``world``; the actions it took (one line each) and its result."""
     by_id = {t.handle.id: t for t in world.handles}
-    prefill, decode = list(world.prefill), list(world.decode)
+    prefill, decode, reserve = list(world.prefill), list(world.decode), list(world.reserve)
     pending_p: list[Any] = []
     pending_d: list[Any] = []
     seen: list[str] = []
@@ -165,7 +181,9 @@ def drive(plan: Generator[core.Action, Any, Any], world: World) -> tuple[list[st
         elif isinstance(action, core.Tokenize):
             answer = world.tokenized
         elif isinstance(action, core.Candidates):
-            answer = core.Found(world.handles, world.engines, world.can_pull)
+            answer = core.Found(
+                world.handles, world.engines, world.can_pull, world.in_flight, world.unhealthy
+            )
         elif isinstance(action, core.Take):
             answer = (
                 None if NAMES[action.handle_id] in world.lost_races else by_id[action.handle_id]
@@ -183,11 +201,17 @@ def drive(plan: Generator[core.Action, Any, Any], world: World) -> tuple[list[st
             assert url is None or url in action.candidates
             pending_d.append(outcome)
             answer = url
+        elif isinstance(action, core.Reserve):
+            answer = reserve.pop(0)
         elif isinstance(action, core.Decode):
-            answer = pending_d.pop()
+            if action.prefill_url is None:
+                url, answer = decode.pop(0)
+                assert url == action.url
+            else:
+                answer = pending_d.pop()
 
 
-def run(world: World, **turn: Any) -> tuple[list[str], str]:
+def run(world: World, cfg: RouterConfig = CFG, **turn: Any) -> tuple[list[str], str]:
     inp = core.TurnInput(
         **{
             "key": KEY,
@@ -199,8 +223,9 @@ def run(world: World, **turn: Any) -> tuple[list[str], str]:
             **turn,
         }
     )
-    seen, end = drive(core.turn_plan(inp, CFG), world)
+    seen, end = drive(core.turn_plan(inp, cfg), world)
     assert prefill_left(world, seen) and decode_left(world, seen)
+    assert sum(s.startswith("reserve") for s in seen) == len(world.reserve)
     return seen, show_end(end)
 
 
@@ -210,7 +235,9 @@ def prefill_left(world: World, seen: list[str]) -> bool:
 
 
 def decode_left(world: World, seen: list[str]) -> bool:
-    return sum(s.startswith("pick-decode") for s in seen) == len(world.decode)
+    """... and every D answer: placed by pick-decode, or decoding in place on the holder."""
+    placed = sum(s.startswith("pick-decode") or " in place [" in s for s in seen)
+    return placed == len(world.decode)
 
 
 def fresh(h: StoredHandle, age: float = 5.0) -> Taken:
@@ -732,6 +759,301 @@ ROWS: list[tuple[str, World, dict[str, Any], list[str], str]] = [
 )
 def test_turn(world: World, turn: dict[str, Any], actions: list[str], end: str) -> None:
     assert run(world, **turn) == (actions, end)
+
+
+# -- each turn's path (config ``paths``): decode in place on the D that holds the handle ---------
+CHOOSE = CFG.model_copy(update={"paths": "choose"})
+FORCED = CFG.model_copy(update={"paths": "decode"})
+SMALL = CFG.model_copy(update={"paths": "choose", "decode_max_new_tokens": 4})
+SLOW_D = Curves(prefill_d_s_per_token=0.01)
+"""A D whose prefill is slow enough that reading back wins."""
+IN_PLACE = ["resolve", "candidates", "take h1", "reserve d1 8"]
+"""H1 holds 32 of the 40 tokens: D prefills 8."""
+PULL = ["pick-prefill bidirectional", "prefill p1 read h1 32"]
+
+PATH_ROWS: list[tuple[str, World, RouterConfig, dict[str, Any], list[str], str]] = [
+    (
+        "few new tokens: straight to the D that holds them; the spent handle is freed",
+        World([fresh(H1)], decode=[(D1, STARTED)], reserve=[True]),
+        CHOOSE,
+        {},
+        [
+            *IN_PLACE,
+            "decode d1 in place [decode M=0 C=32 L=? next=recompute]",
+            "release h1 superseded",
+        ],
+        "answered in place->d1 [decode M=0 C=32 L=? next=recompute]",
+    ),
+    (
+        "a handle verified in part (drift): D prefills what follows its verified blocks",
+        World(
+            [fresh(handle("h1", [*PROMPT[:20], *range(9, 21)]))],
+            decode=[(D1, STARTED)],
+            reserve=[True],
+        ),
+        CHOOSE,
+        {},
+        [
+            "resolve",
+            "candidates",
+            "take h1",
+            "reserve d1 20",
+            "decode d1 in place [decode M=0 C=20 L=? drift next=recompute]",
+            "release h1 superseded",
+        ],
+        "answered in place->d1 [decode M=0 C=20 L=? drift next=recompute]",
+    ),
+    (
+        "more new tokens than D's budget takes: pull",
+        World([fresh(H1)], prefill=[(P1, 0, DONE)], decode=[(D1, STARTED)]),
+        SMALL,
+        {},
+        [
+            "resolve",
+            "candidates",
+            "take h1",
+            *PULL,
+            "pick-decode d1,d2 holder=d1",
+            "decode d1 via p1 [pull M=32 C=32 L=0 next=recompute]",
+        ],
+        "answered p1->d1 [pull M=32 C=32 L=0 next=recompute]",
+    ),
+    (
+        "D's budget full of other turns' tokens in flight: pull",
+        World([fresh(H1)], prefill=[(P1, 0, DONE)], decode=[(D1, STARTED)], in_flight={D1: 8190}),
+        CHOOSE,
+        {},
+        [
+            "resolve",
+            "candidates",
+            "take h1",
+            *PULL,
+            "pick-decode d1,d2 holder=d1",
+            "decode d1 via p1 [pull M=32 C=32 L=0 next=recompute]",
+        ],
+        "answered p1->d1 [pull M=32 C=32 L=0 next=recompute]",
+    ),
+    (
+        "D's budget filled between the choice and the reservation: pull, the handle unspent",
+        World([fresh(H1)], prefill=[(P1, 0, DONE)], decode=[(D1, STARTED)], reserve=[False]),
+        CHOOSE,
+        {},
+        [
+            *IN_PLACE,
+            "retry decode_budget",
+            *PULL,
+            "pick-decode d1,d2 holder=d1",
+            "decode d1 via p1 [pull M=32 C=32 L=0]",
+        ],
+        "answered p1->d1 [pull M=32 C=32 L=0]",
+    ),
+    (
+        "D refuses (4xx): its error passes, the handle is put back unspent",
+        World([fresh(H1)], decode=[(D1, core.DecodeRefused(422, b"bad"))], reserve=[True]),
+        CHOOSE,
+        {},
+        [*IN_PLACE, "decode d1 in place [decode M=0 C=32 L=? next=recompute]", "restore h1"],
+        "fail 422 bad",
+    ),
+    (
+        "D answers 5xx or 429: its KV is still readable, P pulls it for another D",
+        World(
+            [fresh(H1)],
+            prefill=[(P1, 0, DONE)],
+            decode=[(D1, core.DecodeFailed("status")), (D2, STARTED)],
+            reserve=[True],
+        ),
+        CHOOSE,
+        {},
+        [
+            *IN_PLACE,
+            "decode d1 in place [decode M=0 C=32 L=? next=recompute]",
+            "retry decode_in_place",
+            *PULL,
+            "pick-decode d2 holder=d1",
+            "decode d2 via p1 [pull M=32 C=32 L=0]",
+        ],
+        "answered p1->d2 [pull M=32 C=32 L=0]",
+    ),
+    (
+        "D unreachable: the handle is released (no read from it either), P recomputes",
+        World(
+            [fresh(H1)],
+            prefill=[(P1, 0, DONE)],
+            decode=[(D1, core.DecodeFailed("unreachable")), (D2, STARTED)],
+            reserve=[True],
+        ),
+        CHOOSE,
+        {},
+        [
+            *IN_PLACE,
+            "decode d1 in place [decode M=0 C=32 L=? next=recompute]",
+            "retry decode_in_place",
+            "release h1 decode_failed",
+            "pick-prefill",
+            "prefill p1",
+            "pick-decode d2 holder=d1",
+            "decode d2 via p1 [recompute M=0 C=32 L=0]",
+        ],
+        "answered p1->d2 [recompute M=0 C=32 L=0]",
+    ),
+    (
+        "D silent past its first-byte deadline: the same, on another D",
+        World(
+            [fresh(H1)],
+            prefill=[(P2, None, DONE)],
+            decode=[(D1, core.DecodeFailed("deadline")), (D2, STARTED)],
+            reserve=[True],
+        ),
+        CHOOSE,
+        {},
+        [
+            *IN_PLACE,
+            "decode d1 in place [decode M=0 C=32 L=? next=recompute]",
+            "retry decode_in_place",
+            "release h1 decode_failed",
+            "pick-prefill",
+            "prefill p2",
+            "pick-decode d2 holder=d1",
+            "decode d2 via p2 [recompute M=0 C=32 L=?]",
+        ],
+        "answered p2->d2 [recompute M=0 C=32 L=?]",
+    ),
+    (
+        "D out of rotation: its handle is read back through P, for another D",
+        World(
+            [fresh(H1)],
+            prefill=[(P1, 0, DONE)],
+            decode=[(D2, STARTED)],
+            unhealthy=frozenset({D1}),
+        ),
+        CHOOSE,
+        {},
+        [
+            "resolve",
+            "candidates",
+            "take h1",
+            *PULL,
+            "pick-decode d1,d2 holder=d1",
+            "decode d2 via p1 [pull M=32 C=32 L=0]",
+        ],
+        "answered p1->d2 [pull M=32 C=32 L=0]",
+    ),
+    (
+        "D is another engine now: its handle is dropped unread, never decoded in place",
+        World(
+            [fresh(H1)],
+            engines={D1: "d1-restarted", D2: "d2"},
+            prefill=[(P1, None, DONE)],
+            decode=[(D1, STARTED)],
+        ),
+        CHOOSE,
+        {},
+        [
+            "resolve",
+            "candidates",
+            "discard h1 restarted",
+            "pick-prefill",
+            "prefill p1",
+            "pick-decode d1,d2 holder=-",
+            "decode d1 via p1 [miss M=0 C=0 L=?]",
+        ],
+        "answered p1->d1 [miss M=0 C=0 L=?]",
+    ),
+    (
+        'paths = "pull": through P, as before',
+        World([fresh(H1)], prefill=[(P1, 0, DONE)], decode=[(D1, STARTED)]),
+        CFG,
+        {},
+        [
+            "resolve",
+            "candidates",
+            "take h1",
+            *PULL,
+            "pick-decode d1,d2 holder=d1",
+            "decode d1 via p1 [pull M=32 C=32 L=0]",
+        ],
+        "answered p1->d1 [pull M=32 C=32 L=0]",
+    ),
+    (
+        "a D slow to prefill: through P, which reads back (the handle rules decide, as before)",
+        World([fresh(H1)], prefill=[(P1, 0, DONE)], decode=[(D1, STARTED)]),
+        CHOOSE,
+        {"curves": SLOW_D},
+        [
+            "resolve",
+            "candidates",
+            "take h1",
+            *PULL,
+            "pick-decode d1,d2 holder=d1",
+            "decode d1 via p1 [pull M=32 C=32 L=0 next=recompute]",
+        ],
+        "answered p1->d1 [pull M=32 C=32 L=0 next=recompute]",
+    ),
+    (
+        'paths = "decode": in place whenever D\'s budget allows, whatever the estimates',
+        World([fresh(H1)], decode=[(D1, STARTED)], reserve=[True]),
+        FORCED,
+        {"curves": SLOW_D},
+        [
+            *IN_PLACE,
+            "decode d1 in place [decode M=0 C=32 L=? next=recompute]",
+            "release h1 superseded",
+        ],
+        "answered in place->d1 [decode M=0 C=32 L=? next=recompute]",
+    ),
+    (
+        "a first turn has no handle: through P",
+        World(prefill=[(P1, None, DONE)], decode=[(D1, STARTED)]),
+        FORCED,
+        {},
+        [
+            "resolve",
+            "candidates",
+            "pick-prefill",
+            "prefill p1",
+            "pick-decode d1,d2 holder=-",
+            "decode d1 via p1 [miss M=0 C=0 L=?]",
+        ],
+        "answered p1->d1 [miss M=0 C=0 L=?]",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("world", "cfg", "turn", "actions", "end"),
+    [r[1:] for r in PATH_ROWS],
+    ids=[r[0] for r in PATH_ROWS],
+)
+def test_path(
+    world: World, cfg: RouterConfig, turn: dict[str, Any], actions: list[str], end: str
+) -> None:
+    assert run(world, cfg, **turn) == (actions, end)
+
+
+def test_decode_in_place_receipt_carries_the_estimates() -> None:
+    """The receipt's estimates are the cost model's for this turn: decode's, and the cheapest
+    other path's (on a 40-token prompt, recomputing beats reading 32 tokens back: a transfer's
+    fixed cost is 16 ms, a token's prefill 22 µs)."""
+    world = World([fresh(H1)], decode=[(D1, STARTED)], reserve=[True])
+    inp = core.TurnInput(KEY, 0, "m", None, (D1, D2), prompt_ids=list(PROMPT))
+    _, end = drive(core.turn_plan(inp, CHOOSE), world)
+    assert isinstance(end, core.Answered) and end.prefill_url is None
+    choice = choose(TurnState(40, handle_tokens=32, d_cached_tokens=32, recompute_threshold=8))
+    assert (choice.path, choice.runner_up) == ("decode", "recompute")
+    r = end.receipt
+    assert (r.estimate_s, r.runner_up, r.runner_up_s) == (
+        choice.ttft_s,
+        "recompute",
+        choice.runner_up_ttft_s,
+    )
+    headers = r.headers()
+    assert headers["X-AgentKV-Decision"] == "decode"
+    assert "X-AgentKV-Estimated" not in headers  # no P, no L to estimate
+    assert headers["X-AgentKV-Runner-Up"] == "recompute"
+    assert float(headers["X-AgentKV-Runner-Up-Estimate-Ms"]) > float(
+        headers["X-AgentKV-Path-Estimate-Ms"]
+    )
 
 
 def test_a_restore_that_displaces_releases_the_displaced_handle() -> None:

@@ -10,6 +10,11 @@ D's answer leaves behind (its handle, the kept token identity).
 
 The rules kept here, once:
 
+* **The path** (config ``paths``): the cost model (:func:`agentkv.router.paths.choose`) may
+  send a turn straight to the D that holds its verified handle (``decode``: D prefills the new
+  tokens from its own prefix cache, no P), within that D's budget (:class:`Reserve`). The
+  handle is then spent when that D accepts the turn; D refusing puts it back, D failing sends
+  the turn through P (with the handle after a 5xx/429, without it when D was unreachable).
 * **A handle is spent only when a P accepts the request that carries it** (P answers 200). Until
   then a handle taken from the store is :class:`Restore`\\ d when the turn fails (a P refusing it,
   no P answering); a read that passed its deadline or a 500 with the handle attached

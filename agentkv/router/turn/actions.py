@@ -7,12 +7,15 @@ from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from agentkv.protocol import KVTransferParams
 from agentkv.router.identity import Pending
+from agentkv.router.paths import Curves
 from agentkv.router.receipt import Receipt
 from agentkv.router.store import StoredHandle, StoreKey, Taken
 from agentkv.router.verify import PromptHashes
 
 __all__ = [
+    "KEEP_ON_DECODE",
     "Action",
     "Answered",
     "Candidates",
@@ -39,6 +42,7 @@ __all__ = [
     "Release",
     "RememberJob",
     "Renew",
+    "Reserve",
     "Resolve",
     "Restore",
     "Retry",
@@ -166,6 +170,23 @@ class PickDecode:
 
 
 @dataclass(frozen=True)
+class Reserve:
+    """Count ``tokens`` new prompt tokens in flight on the D at ``url`` (a decode-in-place
+    turn), within its budget; answered with True, or False when the budget is full now. The
+    driver gives them back when D's first bytes arrive (a stream's first chunk, a whole
+    answer) or the request fails."""
+
+    url: str
+    tokens: int
+
+
+KEEP_ON_DECODE: Mapping[str, Any] = KVTransferParams.in_place().to_wire()
+"""``kv_transfer_params`` of a decode-in-place request (docs/paths.md): non-empty but asking for
+no transfer, so vLLM's D prefills from its own prefix cache, keeps the blocks and returns a new
+handle."""
+
+
+@dataclass(frozen=True)
 class RememberJob:
     """What :func:`remember_plan` needs of the turn once D has answered."""
 
@@ -177,17 +198,21 @@ class RememberJob:
 
 @dataclass(frozen=True)
 class Decode:
-    """D's request with P's handle; answered with :class:`DecodeStarted`, :class:`DecodeFailed`
-    or :class:`DecodeRefused`. The driver runs :func:`remember_plan` with ``remember`` when D's
-    answer carries its handle."""
+    """D's request with P's handle (or, decoding in place, :data:`KEEP_ON_DECODE`); answered
+    with :class:`DecodeStarted`, :class:`DecodeFailed` or :class:`DecodeRefused`. The driver
+    runs :func:`remember_plan` with ``remember`` when D's answer carries its handle."""
 
     url: str
     params: dict[str, Any]
-    """P's handle, for D to read the prompt's KV."""
+    """P's handle, for D to read the prompt's KV; :data:`KEEP_ON_DECODE` in place."""
     receipt: Receipt
-    prefill_url: str
+    prefill_url: str | None
+    """None: the turn decodes in place, no P."""
     sim_headers: Mapping[str, str]
     remember: RememberJob
+    reserved: int = 0
+    """New prompt tokens :class:`Reserve`\\ d for this request on D (given back when D's
+    first bytes arrive or it fails)."""
 
 
 @dataclass(frozen=True)
@@ -224,6 +249,7 @@ Action = (
     | PickPrefill
     | Prefill
     | PickDecode
+    | Reserve
     | Decode
     | Record
     | Identify
@@ -241,6 +267,10 @@ class Found:
     """Each configured D's URL -> the engine id confirmed behind it (None: not identified now)."""
     can_pull: bool
     """Some healthy P can read from D."""
+    in_flight: Mapping[str, int] = field(default_factory=dict)
+    """Each D's new prompt tokens of decode-in-place turns in flight (absent: none)."""
+    unhealthy: frozenset[str] = frozenset()
+    """The D's out of rotation (no turn decodes in place there)."""
 
 
 @dataclass(frozen=True)
@@ -293,6 +323,10 @@ class DecodeStarted:
 class DecodeFailed:
     """D failed before its first byte (unreachable, 5xx, 429, nothing within the deadline)."""
 
+    reason: Literal["unreachable", "deadline", "status"] = "status"
+    """``unreachable``: never reached D; ``deadline``: nothing by the first-byte deadline;
+    ``status``: D answered 5xx or 429 (it is up, its KV readable)."""
+
 
 @dataclass(frozen=True)
 class DecodeRefused:
@@ -306,7 +340,8 @@ class DecodeRefused:
 @dataclass(frozen=True)
 class Answered:
     receipt: Receipt
-    prefill_url: str
+    prefill_url: str | None
+    """None: decoded in place."""
     decode_url: str
     prompt: Sequence[int]
 
@@ -344,6 +379,8 @@ class TurnInput:
     """``max_completion_tokens`` or ``max_tokens`` as the client sent it."""
     context_limit: int | None = None
     """The smallest ``max_model_len`` the engines serve (None: not known)."""
+    curves: Curves = field(default_factory=Curves)
+    """The path cost model's curves (config ``path_costs``)."""
 
 
 Kept = Literal["stored", "released", "none", "unknown"]

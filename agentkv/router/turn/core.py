@@ -14,11 +14,13 @@ from agentkv.protocol import KVTransferParams
 from agentkv.protocol import kv_transfer as kvt
 from agentkv.router.config import RouterConfig
 from agentkv.router.identity import Resolved
+from agentkv.router.paths import PATHS, Choice, DecodeBudget, TurnState, choose
 from agentkv.router.receipt import Receipt
 from agentkv.router.request import TokenIds
 from agentkv.router.sse import Captured
 from agentkv.router.store import StoredHandle, StoreKey, Taken
 from agentkv.router.turn.actions import (
+    KEEP_ON_DECODE,
     Action,
     Answered,
     Candidates,
@@ -26,6 +28,7 @@ from agentkv.router.turn.actions import (
     DecodeFailed,
     DecodeRefused,
     Discard,
+    End,
     Fail,
     Found,
     Identify,
@@ -42,6 +45,7 @@ from agentkv.router.turn.actions import (
     Release,
     RememberJob,
     Renew,
+    Reserve,
     Resolve,
     Restore,
     Retry,
@@ -80,10 +84,18 @@ def turn_plan(t: TurnInput, cfg: RouterConfig) -> Turn:
         yield Renew(t.key, t.lease_s)
     # the prompt is hashed once a turn: for verification, and again for what D will hold
     hashes = PromptHashes(ids, cfg.block_size, hash_root(t.model, t.cache_salt))
-    plan = yield from _take_handle(t, cfg, hashes)
+    plan, found = yield from _take_handle(t, cfg, hashes)
     remember = RememberJob(t.key, t.epoch, hashes, resolved.pending)
     tried: set[str] = set()
     holder = plan.taken.handle.decode_url if plan.taken else None
+    choice = _choose(t, cfg, len(ids), plan, found)
+    if choice is not None and choice.path == "decode":
+        end, plan, failed = yield from _decode_in_place(t, ids, plan, choice, remember, resolved)
+        if end is not None:
+            return end
+        if failed:
+            tried.add(failed)  # the P pass places the turn on another D
+        choice = None
     for attempt in range(cfg.retries + 1):
         # a retry after D failed is a fresh P pass: P's own cache now holds the prompt
         pre, unspent = yield from _prefill(
@@ -93,10 +105,13 @@ def turn_plan(t: TurnInput, cfg: RouterConfig) -> Turn:
             yield from _restore(t.key, unspent)
             return pre
         receipt = replace(pre.receipt, identity=resolved.outcome)
+        if choice is not None:
+            receipt = _estimated(receipt, choice)
         if attempt > 0:
             # P's events of the earlier pass may not have reached the index yet: what P found
             # in its own cache on this pass is not known, so the receipt says estimated
             receipt = replace(receipt, local=None)
+        choice = None
         candidates = tuple(u for u in t.decode_urls if u not in tried) or t.decode_urls
         url = yield PickDecode(candidates, holder)
         if url is None:
@@ -110,6 +125,94 @@ def turn_plan(t: TurnInput, cfg: RouterConfig) -> Turn:
             return Fail(out.status, body=out.body)
         return Answered(receipt, pre.url, url, ids)
     return Fail(502, "No decode instance answered.")
+
+
+def _choose(
+    t: TurnInput, cfg: RouterConfig, n: int, plan: ReusePlan, found: Found | None
+) -> Choice | None:
+    """The cost model's path for a turn whose verified handle P would read (None: config
+    ``paths = "pull"``, or no such handle). D's prefix cache holds the handle's verified full
+    blocks (vLLM's prefix cache counts full blocks only). A D out of rotation is not a place to
+    decode: its handle can only be read back."""
+    if cfg.paths == "pull" or plan.taken is None or plan.params is None or plan.release:
+        return None
+    url = plan.taken.handle.decode_url
+    if found is None or url in found.unhealthy:
+        return None
+    in_flight = found.in_flight
+    state = TurnState(
+        n,
+        handle_tokens=plan.attached_tokens,
+        d_cached_tokens=min(plan.verified_tokens, n - 1) // cfg.block_size * cfg.block_size,
+        d_in_flight_tokens=in_flight.get(url, 0),
+        recompute_threshold=cfg.kv_recompute_threshold,
+    )
+    budget = DecodeBudget(cfg.decode_max_new_tokens, cfg.decode_tokens_in_flight)
+    choice = choose(state, t.curves, budget)
+    if cfg.paths == "decode" and "decode" in choice.estimates and "decode" not in choice.excluded:
+        # in place whenever D's budget allows it, whatever the estimates
+        return replace(choice, path="decode", ttft_s=choice.estimates["decode"].ttft_s)
+    return choice
+
+
+def _estimated(receipt: Receipt, choice: Choice) -> Receipt:
+    """The receipt with the cost model's estimate of the path the turn took (when it estimated
+    that one) and of the cheapest other path D's budget allowed."""
+    taken = choice.estimates.get(receipt.decision)  # type: ignore[call-overload]
+    if taken is None:
+        return receipt
+    others = [
+        e
+        for path, e in choice.estimates.items()
+        if path != receipt.decision and path not in choice.excluded
+    ]
+    best = min(others, key=lambda e: (e.ttft_s, PATHS.index(e.path)), default=None)
+    return replace(
+        receipt,
+        estimate_s=taken.ttft_s,
+        runner_up=best.path if best else None,
+        runner_up_s=best.ttft_s if best else None,
+    )
+
+
+def _decode_in_place(
+    t: TurnInput,
+    ids: Sequence[int],
+    plan: ReusePlan,
+    choice: Choice,
+    remember: RememberJob,
+    resolved: Resolved,
+) -> Generator[Action, Any, tuple[End | None, ReusePlan, str | None]]:
+    """The turn straight to the D that holds its verified handle: D prefills the new tokens from
+    its own prefix cache and keeps its blocks for a new handle (:data:`KEEP_ON_DECODE`). The
+    taken handle is spent when D accepts (its blocks are superseded by D's new handle, so D is
+    told to free them); until then it is unspent. Returns how the turn ended, or None and the
+    plan the P pass goes on with: the handle still attached (D's budget is full, or D answered
+    5xx/429 and its KV is still readable) or released (D unreachable or silent past its
+    deadline: a read from it would fail too); and the D that failed, if one did."""
+    assert plan.taken is not None
+    taken, url = plan.taken, plan.taken.handle.decode_url
+    new = choice.estimates["decode"].computed_tokens
+    if not (yield Reserve(url, new)):
+        yield Retry("decode_budget")
+        return None, plan, None
+    receipt = _estimated(
+        Receipt("decode", 0, plan.verified_tokens, None, plan.cause, resolved.outcome), choice
+    )
+    params = dict(KEEP_ON_DECODE)
+    out = yield Decode(url, params, receipt, None, {}, remember, reserved=new)
+    if isinstance(out, DecodeRefused):
+        # D's own client error (P would refuse it too): passed on, the handle unspent
+        yield from _restore(t.key, plan)
+        return Fail(out.status, body=out.body), plan, None
+    if isinstance(out, DecodeFailed):
+        yield Retry("decode_in_place")
+        if out.reason == "status":
+            return None, plan, url
+        return None, (yield from _lost(plan, "decode_failed")), url
+    # D accepted: the handle is spent; D's new handle holds all of its verified blocks
+    yield Release(taken.handle, "superseded")
+    return Answered(receipt, None, url, ids), plan.without_handle(), None
 
 
 def _check_context(n: int, most: object, limit: int | None) -> Fail | None:
@@ -152,10 +255,11 @@ def _readable(candidate: Taken, engines: Mapping[str, str | None]) -> bool | Non
 
 def _take_handle(
     t: TurnInput, cfg: RouterConfig, hashes: PromptHashes
-) -> Generator[Action, Any, ReusePlan]:
-    """Choose and take a handle; a handle another replica took first is skipped."""
+) -> Generator[Action, Any, tuple[ReusePlan, Found | None]]:
+    """Choose and take a handle; a handle another replica took first is skipped. Also returns
+    what the store and the driver said (None: no conversation)."""
     if t.key is None:
-        return ReusePlan("miss", None, 0, 0, False)
+        return ReusePlan("miss", None, 0, 0, False), None
     found: Found = yield Candidates(t.key)
     candidates: list[Taken] = []
     for candidate in found.handles:
@@ -177,13 +281,13 @@ def _take_handle(
         for gone in plan.expired:
             yield Discard(t.key, gone.handle.id)
         if plan.taken is None:
-            return plan
+            return plan, found
         releases = plan.decision if plan.release else None
         taken: Taken | None = yield Take(t.key, plan.taken.handle.id, releases)
         if taken is not None:
-            return replace(plan, taken=taken)
+            return replace(plan, taken=taken), found
         candidates = [c for c in candidates if c.handle.id != plan.taken.handle.id]
-    return ReusePlan("miss", None, 0, 0, False)
+    return ReusePlan("miss", None, 0, 0, False), found
 
 
 def _restore(key: StoreKey | None, plan: ReusePlan) -> Generator[Action, Any, None]:
