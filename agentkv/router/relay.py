@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from agentkv.protocol import error_body
 from agentkv.protocol.http import sse
-from agentkv.router.http import StreamReply, TransportError
+from agentkv.router.http import Stream, TransportError
 from agentkv.router.sse import Captured, EventRelay
 
 __all__ = ["Relay", "StreamOutcome"]
@@ -62,7 +62,7 @@ class Relay:
 
     def stream(
         self,
-        upstream: StreamReply,
+        upstream: Stream,
         *,
         keep_ids: bool,
         on_handle: Callable[[Captured], Awaitable[None]],
@@ -110,7 +110,7 @@ class Relay:
 
     async def _read(
         self,
-        upstream: StreamReply,
+        upstream: Stream,
         queue: asyncio.Queue[bytes | None],
         outcome: StreamOutcome,
         events: EventRelay,
@@ -121,7 +121,7 @@ class Relay:
         remembered = False
         draining_since: float | None = None
         try:
-            async for data in upstream.aiter_raw():
+            async for data in upstream:
                 if outcome.abandoned and draining_since is None:
                     draining_since = time.monotonic()
                     self.draining += 1

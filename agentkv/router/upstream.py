@@ -18,11 +18,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import httpx
-
 from agentkv.protocol import HEADER_SIM_ENGINE_ID
 from agentkv.router.config import Backend, RouterConfig
-from agentkv.router.http import AiohttpClient, EngineClient, HttpxClient, Pool, TransportError
+from agentkv.router.http import (
+    AiohttpClient,
+    ClientFactory,
+    EngineClient,
+    Pool,
+    TransportError,
+)
 from agentkv.router.tasks import cancel_and_wait
 
 __all__ = [
@@ -205,10 +209,10 @@ def pick_decode(
 class EnginePool:
     """All P and D instances; starts and stops their health checks."""
 
-    def __init__(
-        self, config: RouterConfig, *, transport: httpx.AsyncBaseTransport | None = None
-    ) -> None:
+    def __init__(self, config: RouterConfig, *, engine_client: ClientFactory | None = None) -> None:
+        """``engine_client``: makes each engine's client (default :class:`AiohttpClient`)."""
         self.config = config
+        connect = engine_client or AiohttpClient
 
         def client(b: Backend, *, health: bool = False) -> EngineClient:
             # keep-alive shorter than the engines' (uvicorn's 5 s), so the router never reuses a
@@ -219,9 +223,7 @@ class EnginePool:
                 max_connections=size,
                 keepalive_s=config.upstream_keepalive_s,
             )
-            if transport is not None or config.upstream_client == "httpx":
-                return HttpxClient(b.url, pool, max_keepalive=min(size, 20), transport=transport)
-            return AiohttpClient(b.url, pool)
+            return connect(b.url, pool)
 
         self.prefill = [
             Upstream("prefill", b, client(b), client(b, health=True)) for b in config.prefill
@@ -242,7 +244,7 @@ class EnginePool:
         timeout = min(5.0, self.config.health_interval_s * 2)
         try:
             r = await engine.health.get("/health", timeout=timeout)
-            good = r.status_code == 200
+            good = r.status == 200
         except TransportError:
             good = False
         if good:
@@ -263,7 +265,7 @@ class EnginePool:
         is asked again at the next health check."""
         try:
             r = await engine.health.get("/v1/models", timeout=timeout)
-            cards = r.json().get("data") if r.status_code == 200 else None
+            cards = r.json().get("data") if r.status == 200 else None
         except (TransportError, ValueError, AttributeError):
             return
         cards = [c for c in cards or [] if isinstance(c, dict)]
