@@ -28,9 +28,9 @@ processes. ``--lengths short`` is the concurrency sweep of short conversations (
 256 streamed and c=64 non-streamed with 8 tokens), its own section.
 
 Run: ``python benchmarks/router_overhead.py`` (``--quick`` for a smoke run; writes its section of
-docs/benchmarks.md unless ``--no-write``; ``--compare`` adds router variants: httpx upstream,
-uvicorn without uvloop/httptools, granian; ``--profile`` adds a py-spy profile of the router at
-c=64, streamed).
+docs/benchmarks.md unless ``--no-write``; ``--compare`` adds router variants: uvicorn without
+uvloop/httptools, granian (the httpx upstream client it once compared is gone); ``--profile``
+adds a py-spy profile of the router at c=64, streamed).
 """
 
 from __future__ import annotations
@@ -451,7 +451,7 @@ def main() -> None:
         type=int,
         help=f"live conversations for the memory figure (default {RSS_CONVERSATIONS}; 0: none)",
     )
-    parser.add_argument("--compare", action="store_true", help="router variants (client, server)")
+    parser.add_argument("--compare", action="store_true", help="router variants (server)")
     parser.add_argument("--profile", action="store_true", help="py-spy the router at c=64")
     parser.add_argument(
         "--vllm-proxy-python",
@@ -538,7 +538,6 @@ def main() -> None:
             targets.append(Target("pd", "P then D (client)", d.url, "pd", None))
         if args.compare:
             variants = [
-                ("httpx", "router, httpx upstream (exact)", {"upstream_client": "httpx"}, "cli"),
                 ("h11", "router, uvicorn h11/asyncio (exact)", {}, "uvicorn-h11"),
                 ("fast", "router, uvicorn httptools/uvloop (exact)", {}, "uvicorn"),
                 ("granian", "router, granian (exact)", {}, "granian"),

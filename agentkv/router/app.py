@@ -24,7 +24,6 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, Literal
 
-import httpx
 import orjson
 from prometheus_client import Counter
 from starlette.applications import Starlette
@@ -38,7 +37,7 @@ from agentkv.protocol.names import RouterMetric
 from agentkv.router.config import RouterConfig
 from agentkv.router.errors import router_error_handling
 from agentkv.router.guard import GuardedStore
-from agentkv.router.http import TransportError
+from agentkv.router.http import ClientFactory, TransportError
 from agentkv.router.identity import Identity, RedisLedger
 from agentkv.router.kv_index import KVEventSubscriber, PrefixIndex
 from agentkv.router.leases import MemoryLeases, RedisLeases
@@ -73,17 +72,18 @@ def create_app(
     config: RouterConfig,
     *,
     store: HandleStore | None = None,
-    transport: httpx.AsyncBaseTransport | None = None,
+    engine_client: ClientFactory | None = None,
 ) -> Starlette:
     """The router for ``config``.
 
     Args:
         config: backends and policies.
         store: where handles live (default: from ``config.store``).
-        transport: an httpx transport for all upstream calls (tests: engines in-process); the
-            router then uses httpx instead of aiohttp.
+        engine_client: makes the client of each engine (default: aiohttp's,
+            :class:`~agentkv.router.http.AiohttpClient`; tests: a fake that reaches in-process
+            engines).
     """
-    pool = EnginePool(config, transport=transport)
+    pool = EnginePool(config, engine_client=engine_client)
     metrics = RouterMetrics()
     aborts = Counter(
         RouterMetric.CLIENT_ABORTS,
@@ -218,7 +218,7 @@ def create_app(
                 except TransportError:
                     engine.failed(config.eject_after_failures)
                     continue
-                return Response(r.content, status_code=r.status_code, media_type="application/json")
+                return Response(r.body, status_code=r.status, media_type="application/json")
             raise APIError(503, f"No prefill instance answered {path}.")
 
         return handler
@@ -230,8 +230,8 @@ def create_app(
                 r = await engine.client.get("/v1/models", timeout=10)
             except TransportError:
                 continue
-            if r.status_code == 200:
-                return Response(r.content, media_type="application/json")
+            if r.status == 200:
+                return Response(r.body, media_type="application/json")
         raise APIError(503, "No decode instance answered /v1/models.")
 
     async def health(request: Request) -> Response:

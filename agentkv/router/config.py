@@ -132,9 +132,6 @@ class RouterConfig(BaseModel):
     prefill_deadline_per_1k_tokens_s: float = Field(0.5, ge=0)
     """What each thousand prompt tokens add to ``prefill_deadline_s``."""
     request_timeout_s: float = Field(600.0, gt=0)
-    upstream_client: Literal["aiohttp", "httpx"] = "aiohttp"
-    """The HTTP client to the engines (aiohttp: its pool costs the same at any size; httpx is
-    for injected test transports and comparisons)."""
     upstream_max_connections: int = Field(256, ge=1)
     """Connections per engine, at most (requests beyond wait for one)."""
     upstream_keepalive_s: float = Field(4.0, gt=0)

@@ -78,8 +78,8 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure_logging(format: LogFormat = "text", level: str | int = "INFO") -> None:
-    """Route every logger (the router's, uvicorn's, httpx's) to one stderr handler with the
-    chosen formatter; httpx is kept at WARNING (it logs every upstream request at INFO)."""
+    """Route every logger (the router's, uvicorn's, aiohttp's) to one stderr handler with the
+    chosen formatter."""
     handler = logging.StreamHandler(sys.stderr)
     if format == "json":
         handler.setFormatter(JsonFormatter())
@@ -90,8 +90,6 @@ def configure_logging(format: LogFormat = "text", level: str | int = "INFO") -> 
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper() if isinstance(level, str) else level)
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    logging.getLogger("httpcore").setLevel(logging.WARNING)
     logging.captureWarnings(True)
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         logger = logging.getLogger(name)

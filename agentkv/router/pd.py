@@ -246,18 +246,18 @@ class Router:
         finally:
             engine.outstanding_tokens -= len(ids)
             self.metrics.p_seconds.observe(time.perf_counter() - started)
-        if r.status_code == 200:
+        if r.status == 200:
             engine.ok()
             handle = r.json().get("kv_transfer_params")
             side = engine.backend.side_channel_host
             params = core.reachable(handle, engine.url, side) if handle else None
             return core.PrefillDone(params, sim_receipt(r.headers, {}))
-        self.metrics.upstream_errors.labels("prefill", str(r.status_code)).inc()
-        if r.status_code < 500 and r.status_code != 429:
-            return core.PrefillRefused(r.status_code, r.content)
-        if not action.attached or r.status_code == 429:
+        self.metrics.upstream_errors.labels("prefill", str(r.status)).inc()
+        if r.status < 500 and r.status != 429:
+            return core.PrefillRefused(r.status, r.body)
+        if not action.attached or r.status == 429:
             engine.failed(cfg.eject_after_failures)  # a failed read is the handle's, not P's
-        return core.PrefillFailed(r.status_code)
+        return core.PrefillFailed(r.status)
 
     # -- a turn -------------------------------------------------------------------------------
     async def turn(self, req: ClientRequest) -> Response:
@@ -406,15 +406,15 @@ class Router:
                 engine.failed(self.config.eject_after_failures)
             self.metrics.upstream_errors.labels("decode", kind).inc()
             return core.DecodeFailed("deadline" if kind == "first_byte" else "unreachable")
-        if upstream.status_code != 200:
-            content = await upstream.aread()
+        if upstream.status != 200:
+            content = await upstream.read()
             await upstream.aclose()
             engine.outstanding_requests -= 1
-            self.metrics.upstream_errors.labels("decode", str(upstream.status_code)).inc()
-            if upstream.status_code >= 500 or upstream.status_code == 429:
+            self.metrics.upstream_errors.labels("decode", str(upstream.status)).inc()
+            if upstream.status >= 500 or upstream.status == 429:
                 engine.failed(self.config.eject_after_failures)
                 return core.DecodeFailed()
-            return core.DecodeRefused(upstream.status_code, content)
+            return core.DecodeRefused(upstream.status, content)
         engine.identify(upstream.headers.get(HEADER_SIM_ENGINE_ID))
         self.metrics.d_first_byte.observe(time.perf_counter() - t0)
         self.metrics.first_byte.labels(receipt.decision).observe(time.perf_counter() - started)
@@ -424,7 +424,7 @@ class Router:
             headers.update(replace(receipt, found=turn.found).headers())
         if not relay:
             try:
-                data = orjson.loads(await upstream.aread())
+                data = orjson.loads(await upstream.read())
             except (TransportError, orjson.JSONDecodeError):
                 engine.failed(self.config.eject_after_failures)
                 return core.DecodeFailed()

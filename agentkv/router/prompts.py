@@ -71,10 +71,10 @@ class Tokenizer:
                 self.metrics.upstream_errors.labels("prefill", "tokenize").inc()
                 last = exc
                 continue
-            if r.status_code == 200:
+            if r.status == 200:
                 return r.json()
-            if r.status_code < 500:
-                raise UpstreamError(r.status_code, r.content)
-            last = RuntimeError(f"{path} answered {r.status_code}")
+            if r.status < 500:
+                raise UpstreamError(r.status, r.body)
+            last = RuntimeError(f"{path} answered {r.status}")
         log.warning("could not tokenize a prompt: %s", safe(repr(last)))
         raise APIError(503, "Could not tokenize the prompt: no prefill instance answered.")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from agentkv.protocol import error_body
 from agentkv.protocol.http import sse
-from agentkv.router.http import StreamReply, TransportError
+from agentkv.router.http import Stream, TransportError
 from agentkv.router.sse import Captured, EventRelay
 
 __all__ = ["Relay", "StreamOutcome"]
@@ -62,7 +62,7 @@ class Relay:
 
     def stream(
         self,
-        upstream: StreamReply,
+        upstream: Stream,
         *,
         keep_ids: bool,
         on_handle: Callable[[Captured], Awaitable[None]],
@@ -112,7 +112,7 @@ class Relay:
 
     async def _read(
         self,
-        upstream: StreamReply,
+        upstream: Stream,
         queue: asyncio.Queue[bytes | None],
         outcome: StreamOutcome,
         events: EventRelay,
@@ -124,7 +124,7 @@ class Relay:
         remembered = False
         draining_since: float | None = None
         try:
-            async for data in upstream.aiter_raw():
+            async for data in upstream:
                 if on_first is not None:
                     on_first()
                     on_first = None

@@ -191,7 +191,7 @@ class Retention:
             r = await engine.health.get("/metrics", timeout=5)
         except TransportError:
             return 0
-        usage = kv_usage(r.text) if r.status_code == 200 else None
+        usage = kv_usage(r.body.decode("utf-8", "replace")) if r.status == 200 else None
         watermark = self.config.kv_pressure_watermark
         if usage is None or watermark is None or usage < watermark:
             return 0

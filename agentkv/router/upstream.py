@@ -18,11 +18,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import httpx
-
 from agentkv.protocol import HEADER_SIM_ENGINE_ID, KVTransferParams
 from agentkv.router.config import Backend, RouterConfig
-from agentkv.router.http import AiohttpClient, EngineClient, HttpxClient, Pool, TransportError
+from agentkv.router.http import (
+    AiohttpClient,
+    ClientFactory,
+    EngineClient,
+    Pool,
+    TransportError,
+)
 from agentkv.router.store import StoredHandle
 from agentkv.router.tasks import cancel_and_wait
 
@@ -208,10 +212,10 @@ def pick_decode(
 class EnginePool:
     """All P and D instances; starts and stops their health checks."""
 
-    def __init__(
-        self, config: RouterConfig, *, transport: httpx.AsyncBaseTransport | None = None
-    ) -> None:
+    def __init__(self, config: RouterConfig, *, engine_client: ClientFactory | None = None) -> None:
+        """``engine_client``: makes each engine's client (default :class:`AiohttpClient`)."""
         self.config = config
+        connect = engine_client or AiohttpClient
 
         def client(b: Backend, *, health: bool = False) -> EngineClient:
             # keep-alive shorter than the engines' (uvicorn's 5 s), so the router never reuses a
@@ -222,9 +226,7 @@ class EnginePool:
                 max_connections=size,
                 keepalive_s=config.upstream_keepalive_s,
             )
-            if transport is not None or config.upstream_client == "httpx":
-                return HttpxClient(b.url, pool, max_keepalive=min(size, 20), transport=transport)
-            return AiohttpClient(b.url, pool)
+            return connect(b.url, pool)
 
         self.prefill = [
             Upstream("prefill", b, client(b), client(b, health=True)) for b in config.prefill
@@ -245,7 +247,7 @@ class EnginePool:
         timeout = min(5.0, self.config.health_interval_s * 2)
         try:
             r = await engine.health.get("/health", timeout=timeout)
-            good = r.status_code == 200
+            good = r.status == 200
         except TransportError:
             good = False
         if good:
@@ -266,7 +268,7 @@ class EnginePool:
         is asked again at the next health check."""
         try:
             r = await engine.health.get("/v1/models", timeout=timeout)
-            cards = r.json().get("data") if r.status_code == 200 else None
+            cards = r.json().get("data") if r.status == 200 else None
         except (TransportError, ValueError, AttributeError):
             return
         cards = [c for c in cards or [] if isinstance(c, dict)]
@@ -313,10 +315,10 @@ async def release(
         except TransportError:
             on_error()
             continue
-        if r.status_code == 200:
+        if r.status == 200:
             return True
         on_error()
-        if r.status_code < 500 and r.status_code != 429:
+        if r.status < 500 and r.status != 429:
             return False  # P refused the notify itself: trying again changes nothing
     return False
 

@@ -1,9 +1,11 @@
 """The router in front of simulator P and D instances, all in-process: no ports, no processes.
 
 Each simulator app and the router app run their lifespans (health checks, the reaper) in the
-test's event loop; httpx transports dispatch by URL port to the ASGI apps (the simulators reach
-each other the same way for their KV transfers). The simulators and the router's handle store
-share one manual clock, so TTLs pass by :meth:`InProcessStack.advance`, not by sleeping.
+test's event loop. The router reaches the simulators through a fake of its engine client
+(``engine_client.InProcessEngines``); the simulators (for their KV transfers) and the test's
+clients reach the apps through an httpx transport; both dispatch by URL port. The simulators
+and the router's handle store share one manual clock, so TTLs pass by
+:meth:`InProcessStack.advance`, not by sleeping.
 
 The subprocess counterpart is ``stack.py`` (streaming relays, kills, Redis, real ports).
 """
@@ -28,6 +30,7 @@ from agentkv.sim import create_app as create_sim
 from agentkv.sim.app import SimState
 from agentkv.sim.transfer import TransferClient
 from tests._support.clock import SharedClock
+from tests._support.engine_client import InProcessEngines
 
 ROUTER_PORT = 8000
 P_PORT, D_PORT = 8100, 8200
@@ -144,7 +147,7 @@ async def inprocess_stack(
         per_conversation=config.handles_per_conversation,
         clock=clock.monotonic,
     )
-    router_app = create_router(config, store=store, transport=ByPort(apps))
+    router_app = create_router(config, store=store, engine_client=InProcessEngines(apps))
     apps[ROUTER_PORT] = router_app
     async with contextlib.AsyncExitStack() as stack:
         for app in apps.values():

@@ -1,38 +1,59 @@
-"""The upstream client: /tokenize is retried like the prefill call (in-process, httpx mock)."""
+"""The upstream client: /tokenize is retried like the prefill call (in-process, the engine
+client's fake in front of a /tokenize app, its first calls refused)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 
-import httpx
 import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
 
 from agentkv.protocol.errors import APIError
 from agentkv.router.config import RouterConfig
+from agentkv.router.http import Body, Headers, Pool, Reply, TransportError
 from agentkv.router.metrics import RouterMetrics
 from agentkv.router.pd import Router
 from agentkv.router.request import parse_request
 from agentkv.router.store import make_store
 from agentkv.router.upstream import EnginePool
+from tests._support.engine_client import InProcessEngine
 
 CONFIG = RouterConfig(prefill=[{"url": "http://p:1"}], decode=[{"url": "http://d:2"}])
 BODY = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
 
 
+async def _tokenize(request: Request) -> JSONResponse:
+    return JSONResponse({"tokens": [1, 2, 3]})
+
+
+ENGINE = Starlette(routes=[Route("/tokenize", _tokenize, methods=["POST"])])
+
+
 def turn_ids(failures: int) -> tuple[list[int] | Exception, int]:
     calls = 0
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        nonlocal calls
-        assert request.url.path == "/tokenize"
-        calls += 1
-        if calls <= failures:
-            raise httpx.ConnectError("refused", request=request)
-        return httpx.Response(200, json={"tokens": [1, 2, 3]})
+    class Refusing(InProcessEngine):
+        """Its first ``failures`` requests cannot connect."""
+
+        async def post(
+            self, path: str, body: Body, *, timeout: float | None = None, headers: Headers = None
+        ) -> Reply:
+            nonlocal calls
+            assert path == "/tokenize"
+            calls += 1
+            if calls <= failures:
+                raise TransportError(f"POST {self.base_url}{path}: connection refused")
+            return await super().post(path, body, timeout=timeout, headers=headers)
+
+    def engine_client(url: str, pool: Pool) -> Refusing:
+        return Refusing({1: ENGINE, 2: ENGINE}, url, pool)
 
     async def run() -> list[int] | Exception:
-        pool = EnginePool(CONFIG, transport=httpx.MockTransport(handler))
+        pool = EnginePool(CONFIG, engine_client=engine_client)
         router = Router(CONFIG, pool, make_store("memory"), RouterMetrics())
         req = parse_request(BODY, {}, chat=True, config=CONFIG)
         try:
