@@ -337,8 +337,8 @@ class AsyncConversation(_BaseConversation["AsyncClient"]):
         texts = [await self._client.renderer.detokenize(w) for w in windows]
         return self._absorb(prompt_ids, result, texts, span)
 
-    async def close(self) -> bool:
-        """Like :meth:`Conversation.close`."""
+    async def aclose(self) -> bool:
+        """Like :meth:`Conversation.close`; ``close()`` is the same."""
         url, headers = self._close_request()
         try:
             answer = await self._client.openai.with_options(max_retries=0).delete(
@@ -347,6 +347,8 @@ class AsyncConversation(_BaseConversation["AsyncClient"]):
         except openai.APIStatusError as exc:
             return _not_served(exc)
         return _released(answer)
+
+    close = aclose
 
 
 ConvT = TypeVar("ConvT", Conversation, AsyncConversation)
@@ -406,7 +408,8 @@ class ConversationStream(_BaseStream[Conversation]):
 
 
 class AsyncConversationStream(_BaseStream[AsyncConversation]):
-    """The async twin of :class:`ConversationStream` (``aclose()``, ``async with``)."""
+    """The async twin of :class:`ConversationStream` (``aclose()`` or ``close()``, ``async
+    with``)."""
 
     async def __aiter__(self) -> AsyncIterator[ChatCompletionChunk]:
         try:
@@ -426,6 +429,8 @@ class AsyncConversationStream(_BaseStream[AsyncConversation]):
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Stop reading; an unfinished turn is not recorded."""
+        """Stop reading; an unfinished turn is not recorded. ``close()`` is the same."""
         await self._stream.close()
         self._closed()
+
+    close = aclose

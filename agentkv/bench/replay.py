@@ -343,7 +343,7 @@ class _Agents:
 
     async def __aexit__(self, *exc: object) -> None:
         if self._shared is not None:
-            await self._shared.close()
+            await self._shared.aclose()
 
     def born(self) -> Any:
         """A client for an agent that starts (or comes back)."""
@@ -352,7 +352,7 @@ class _Agents:
     async def died(self, client: Any) -> None:
         """The agent is gone: its renewals stop, nothing is released (``lease``)."""
         if client is not self._shared:
-            await client.close()
+            await client.aclose()
             self.deaths += 1
             self.last_death = time.perf_counter()
 
@@ -454,7 +454,7 @@ async def _run_session(
         rec.retained_blocks = math.ceil(len(held) / settings.block_size)
         tool_wait = turn.trace.tool_call
         if policy == "none":
-            await conv.close()
+            await conv.aclose()
         records.append(rec)
         on_turn(rec)
     # the agent leaves without close(): D's timer, or the lapsed lease, frees its last blocks
