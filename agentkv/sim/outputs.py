@@ -55,6 +55,7 @@ from typing import Any, Literal, TypedDict
 
 from typing_extensions import Unpack
 
+from agentkv.protocol.deltas import DeltaFold
 from agentkv.sim.arg_types import fix_arg_types
 
 __all__ = [
@@ -552,24 +553,15 @@ def stream_deltas(
 
 def join_deltas(deltas: Iterable[Mapping[str, Any] | None]) -> ParsedOutput:
     """What a client accumulates from chat-completion deltas."""
-    reasoning: list[str] | None = None
-    content: list[str] | None = None
-    calls: dict[int, dict[str, str]] = {}
+    folded = DeltaFold()
     for delta in deltas:
-        if delta is None:
-            continue
-        if delta.get("reasoning") is not None:
-            reasoning = (reasoning or []) + [delta["reasoning"]]
-        if delta.get("content") is not None:
-            content = (content or []) + [delta["content"]]
-        for tc in delta.get("tool_calls") or []:
-            call = calls.setdefault(tc["index"], {"id": "", "name": "", "arguments": ""})
-            call["id"] = tc.get("id") or call["id"]
-            function = tc.get("function") or {}
-            call["name"] += function.get("name") or ""
-            call["arguments"] += function.get("arguments") or ""
+        if delta is not None:
+            folded.feed(delta)
     return ParsedOutput(
-        reasoning=None if reasoning is None else "".join(reasoning),
-        content=None if content is None else "".join(content),
-        tool_calls=[ParsedToolCall(**calls[i]) for i in sorted(calls)],
+        reasoning=folded.reasoning,
+        content=folded.content,
+        tool_calls=[
+            ParsedToolCall(c["id"] or "", c["function"]["name"], c["function"]["arguments"])
+            for c in folded.tool_calls()
+        ],
     )
