@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from agentkv.protocol import Metric
+from agentkv.protocol.promtext import samples
 from agentkv.router.config import RouterConfig
 from agentkv.router.guard import GuardedStore
 from agentkv.router.http import TransportError
@@ -56,17 +57,16 @@ class LeasesUnavailable(Exception):
 
 
 def kv_usage(metrics_text: str) -> float | None:
-    """The largest ``vllm:kv_cache_usage_perc`` sample in a Prometheus text page (0-1)."""
+    """The largest ``vllm:kv_cache_usage_perc`` sample in a Prometheus text page (0-1); None
+    when there is none or its lines are not Prometheus text. Only that gauge's lines are
+    parsed: the whole of a vLLM page would hold the event loop some 15 ms."""
     name = Metric.KV_CACHE_USAGE_PERC
-    best: float | None = None
-    for line in metrics_text.splitlines():
-        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
-            try:
-                value = float(line.rsplit(" ", 1)[1])
-            except (IndexError, ValueError):
-                continue
-            best = value if best is None else max(best, value)
-    return best
+    lines = [line for line in metrics_text.splitlines() if line.startswith(name)]
+    try:
+        values = [s.value for s in samples("\n".join(lines) + "\n") if s.name == name]
+    except ValueError:
+        return None
+    return max(values, default=None)
 
 
 class Retention:
