@@ -29,7 +29,7 @@ from agentkv.router.http import TransportError
 from agentkv.router.leases import Leases
 from agentkv.router.metrics import RouterMetrics
 from agentkv.router.store import StoredHandle, StoreKey
-from agentkv.router.tasks import cancel_and_wait
+from agentkv.router.tasks import TaskSet
 from agentkv.router.upstream import Upstream
 
 __all__ = ["LeasesUnavailable", "Refused", "Retention", "kv_usage"]
@@ -83,15 +83,16 @@ class Retention:
     ) -> None:
         self.config, self.store, self.leases = config, store, leases
         self.decode, self.release, self.metrics = decode, release, metrics
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks = TaskSet()
 
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._leases_forever())]
+        self._tasks.spawn(self._leases_forever())
         if self.config.kv_pressure_watermark is not None:
-            self._tasks += [asyncio.create_task(self._pressure_forever(e)) for e in self.decode]
+            for engine in self.decode:
+                self._tasks.spawn(self._pressure_forever(engine))
 
     async def aclose(self) -> None:
-        await cancel_and_wait(self._tasks)
+        await self._tasks.cancel()
 
     async def renew(self, key: StoreKey, seconds: float) -> float:
         """A turn's ``X-AgentKV-Lease``: start or renew the conversation's lease (the turn makes
