@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Generic, Literal, NoReturn, TypeVar, overload
 from urllib.parse import quote
 
 import httpx
@@ -179,6 +179,15 @@ class _BaseConversation(Generic[ClientT]):
         self._ledger.abandon()
         span.fail(exc)
 
+    def _raise_failed(self, exc: BaseException, span: TurnSpan) -> NoReturn:
+        """A turn failed: undo it and raise ``exc``, or an error that names the ``/v1`` the
+        base URL lacks."""
+        self._failed(exc, span)
+        better = _without_v1(exc, self._client.openai.base_url, self._ledger.id)
+        if better is not None:
+            raise better from exc
+        raise exc
+
     def _drift_windows(self, result: TurnResult) -> list[list[int]]:
         """Messages mode: the id windows to detokenize for the drift diagnosis."""
         return drift_windows(self._ledger, result) if self._ledger.mode == "messages" else []
@@ -244,11 +253,7 @@ class Conversation(_BaseConversation["Client"]):
             self._finish(prompt_ids, result, span)
             return completion
         except BaseException as exc:
-            self._failed(exc, span)
-            better = _without_v1(exc, client.openai.base_url, self._ledger.id)
-            if better is not None:
-                raise better from exc
-            raise
+            self._raise_failed(exc, span)
 
     def _render(self) -> list[int] | None:
         job = self._render_job()
@@ -316,11 +321,7 @@ class AsyncConversation(_BaseConversation["AsyncClient"]):
             await self._finish(prompt_ids, result, span)
             return completion
         except BaseException as exc:
-            self._failed(exc, span)
-            better = _without_v1(exc, client.openai.base_url, self._ledger.id)
-            if better is not None:
-                raise better from exc
-            raise
+            self._raise_failed(exc, span)
 
     async def _render(self) -> list[int] | None:
         job = self._render_job()
