@@ -36,7 +36,7 @@ from agentkv.protocol import (
     HEADER_CLAUDE_CODE_SESSION_ID,
     HEADER_SESSION_ID,
 )
-from agentkv.protocol.deltas import DeltaFold
+from agentkv.protocol.deltas import DeltaFold, ToolCall
 
 __all__ = [
     "CLIENTS",
@@ -81,14 +81,6 @@ Role = Literal["system", "user", "assistant", "tool"]
 
 class WireError(RuntimeError):
     """A request the server refused, or a stream that ended in an error."""
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    id: str
-    name: str
-    arguments: str
-    """JSON text, as the model wrote it."""
 
 
 @dataclass(frozen=True)
@@ -274,10 +266,7 @@ class _ChatStream:
         message = self._message
         self.out.text = message.content or ""
         self.out.reasoning = message.reasoning or None
-        self.out.calls = [
-            ToolCall(c["id"] or "", c["function"]["name"], c["function"]["arguments"])
-            for c in message.tool_calls()
-        ]
+        self.out.calls = message.calls()
         return self.out
 
 

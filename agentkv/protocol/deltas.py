@@ -9,9 +9,20 @@ the SDK (the turn it records), the benchmark's raw client and the simulator's st
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DeltaFold"]
+__all__ = ["DeltaFold", "ToolCall"]
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A tool call as the model wrote it."""
+
+    id: str
+    name: str
+    arguments: str
+    """JSON text, as the model wrote it."""
 
 
 class DeltaFold:
@@ -72,6 +83,13 @@ class DeltaFold:
                 "type": "function",
                 "function": {"name": "".join(names), "arguments": "".join(arguments)},
             }
+            for _, (ids, names, arguments) in sorted(self._calls.items())
+        ]
+
+    def calls(self) -> list[ToolCall]:
+        """The tool calls in index order (``id`` ``""`` when none came)."""
+        return [
+            ToolCall("".join(ids), "".join(names), "".join(arguments))
             for _, (ids, names, arguments) in sorted(self._calls.items())
         ]
 

@@ -55,13 +55,12 @@ from typing import Any, Literal, TypedDict
 
 from typing_extensions import Unpack
 
-from agentkv.protocol.deltas import DeltaFold
+from agentkv.protocol.deltas import DeltaFold, ToolCall
 from agentkv.sim.arg_types import fix_arg_types
 
 __all__ = [
     "OutputOptions",
     "ParsedOutput",
-    "ParsedToolCall",
     "ReasoningParser",
     "ToolChoice",
     "ToolFormat",
@@ -86,18 +85,10 @@ CLOSE_ANGLE = ">"
 
 
 @dataclass(frozen=True)
-class ParsedToolCall:
-    id: str
-    name: str
-    arguments: str
-    """The JSON text of the arguments, as vLLM returns it."""
-
-
-@dataclass(frozen=True)
 class ParsedOutput:
     reasoning: str | None
     content: str | None
-    tool_calls: list[ParsedToolCall] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 # -- text that remembers where it came from --------------------------------------------------
@@ -477,7 +468,7 @@ def _output(parsed: _Parsed, seed: int) -> ParsedOutput:
         reasoning=None if parsed.reasoning is None else parsed.reasoning.text,
         content=None if parsed.content is None else parsed.content.text,
         tool_calls=[
-            ParsedToolCall(id=i, name=call.name, arguments=call.arguments)
+            ToolCall(id=i, name=call.name, arguments=call.arguments)
             for i, call in zip(ids, parsed.calls, strict=True)
         ],
     )
@@ -560,8 +551,5 @@ def join_deltas(deltas: Iterable[Mapping[str, Any] | None]) -> ParsedOutput:
     return ParsedOutput(
         reasoning=folded.reasoning,
         content=folded.content,
-        tool_calls=[
-            ParsedToolCall(c["id"] or "", c["function"]["name"], c["function"]["arguments"])
-            for c in folded.tool_calls()
-        ],
+        tool_calls=folded.calls(),
     )

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from openai.lib.streaming._deltas import accumulate_delta
 
-from agentkv.protocol.deltas import DeltaFold
+from agentkv.protocol.deltas import DeltaFold, ToolCall
 
 STREAMS: dict[str, list[dict[str, Any]]] = {
     "text": [{"role": "assistant", "content": ""}, {"content": "Hel"}, {"content": "lo"}],
@@ -76,3 +76,4 @@ def test_feed_says_when_text_came_and_absent_parts_stay_none() -> None:
     assert fold.tool_calls() == [
         {"id": None, "type": "function", "function": {"name": "f", "arguments": ""}}
     ]
+    assert fold.calls() == [ToolCall("", "f", "")]
