@@ -164,8 +164,9 @@ class AsyncClient(_BaseClient[openai.AsyncOpenAI, AsyncRenderer, AsyncConversati
     _LEASE_RENEWER = AsyncLeaseRenewer
     _CONVERSATION = AsyncConversation
 
-    async def close(self) -> None:
-        """Like :meth:`Client.close`."""
+    async def aclose(self) -> None:
+        """Like :meth:`Client.close`; ``close()`` is the same (``openai.AsyncOpenAI``'s
+        spelling)."""
         if self._lease is not None:
             await self._lease.aclose()
         await self.openai.close()
@@ -173,11 +174,13 @@ class AsyncClient(_BaseClient[openai.AsyncOpenAI, AsyncRenderer, AsyncConversati
         if callable(closer):
             await closer()
 
+    close = aclose
+
     async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.close()
+        await self.aclose()
 
 
 @overload

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Generic, Literal, NoReturn, TypeVar, overload
 from urllib.parse import quote
 
 import httpx
@@ -179,6 +179,15 @@ class _BaseConversation(Generic[ClientT]):
         self._ledger.abandon()
         span.fail(exc)
 
+    def _raise_failed(self, exc: BaseException, span: TurnSpan) -> NoReturn:
+        """A turn failed: undo it and raise ``exc``, or an error that names the ``/v1`` the
+        base URL lacks."""
+        self._failed(exc, span)
+        better = _without_v1(exc, self._client.openai.base_url, self._ledger.id)
+        if better is not None:
+            raise better from exc
+        raise exc
+
     def _drift_windows(self, result: TurnResult) -> list[list[int]]:
         """Messages mode: the id windows to detokenize for the drift diagnosis."""
         return drift_windows(self._ledger, result) if self._ledger.mode == "messages" else []
@@ -244,11 +253,7 @@ class Conversation(_BaseConversation["Client"]):
             self._finish(prompt_ids, result, span)
             return completion
         except BaseException as exc:
-            self._failed(exc, span)
-            better = _without_v1(exc, client.openai.base_url, self._ledger.id)
-            if better is not None:
-                raise better from exc
-            raise
+            self._raise_failed(exc, span)
 
     def _render(self) -> list[int] | None:
         job = self._render_job()
@@ -316,11 +321,7 @@ class AsyncConversation(_BaseConversation["AsyncClient"]):
             await self._finish(prompt_ids, result, span)
             return completion
         except BaseException as exc:
-            self._failed(exc, span)
-            better = _without_v1(exc, client.openai.base_url, self._ledger.id)
-            if better is not None:
-                raise better from exc
-            raise
+            self._raise_failed(exc, span)
 
     async def _render(self) -> list[int] | None:
         job = self._render_job()
@@ -337,8 +338,8 @@ class AsyncConversation(_BaseConversation["AsyncClient"]):
         texts = [await self._client.renderer.detokenize(w) for w in windows]
         return self._absorb(prompt_ids, result, texts, span)
 
-    async def close(self) -> bool:
-        """Like :meth:`Conversation.close`."""
+    async def aclose(self) -> bool:
+        """Like :meth:`Conversation.close`; ``close()`` is the same."""
         url, headers = self._close_request()
         try:
             answer = await self._client.openai.with_options(max_retries=0).delete(
@@ -347,6 +348,8 @@ class AsyncConversation(_BaseConversation["AsyncClient"]):
         except openai.APIStatusError as exc:
             return _not_served(exc)
         return _released(answer)
+
+    close = aclose
 
 
 ConvT = TypeVar("ConvT", Conversation, AsyncConversation)
@@ -406,7 +409,8 @@ class ConversationStream(_BaseStream[Conversation]):
 
 
 class AsyncConversationStream(_BaseStream[AsyncConversation]):
-    """The async twin of :class:`ConversationStream` (``aclose()``, ``async with``)."""
+    """The async twin of :class:`ConversationStream` (``aclose()`` or ``close()``, ``async
+    with``)."""
 
     async def __aiter__(self) -> AsyncIterator[ChatCompletionChunk]:
         try:
@@ -426,6 +430,8 @@ class AsyncConversationStream(_BaseStream[AsyncConversation]):
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Stop reading; an unfinished turn is not recorded."""
+        """Stop reading; an unfinished turn is not recorded. ``close()`` is the same."""
         await self._stream.close()
         self._closed()
+
+    close = aclose

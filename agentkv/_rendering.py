@@ -285,9 +285,12 @@ class AsyncRemoteRenderer(_Remote):
         return _detokenized(await self._post(f"{self.root}/detokenize", {"tokens": list(ids)}))
 
     async def aclose(self) -> None:
-        """Close its own ``httpx`` client (an ``openai`` client is closed by its owner)."""
+        """Close its own ``httpx`` client (an ``openai`` client is closed by its owner).
+        ``close()`` is the same."""
         if isinstance(self._via, httpx.AsyncClient):
             await self._via.aclose()
+
+    close = aclose
 
 
 # -- local: a Hugging Face tokenizer and chat template ---------------------------------------------

@@ -13,6 +13,7 @@ from typing import Any
 from agentkv._drift import classify_drift
 from agentkv._ledger import Ledger, TurnResult
 from agentkv._receipt import Drift
+from agentkv.protocol.deltas import DeltaFold
 
 __all__ = [
     "AgentKVWarning",
@@ -93,9 +94,7 @@ class StreamAccumulator:
         self.started = started
         options = chat_kwargs.get("stream_options") or {}
         self.user_wants_usage = bool(options.get("include_usage"))
-        self.content: list[str] = []
-        self.reasoning: list[str] = []
-        self.calls: dict[int, dict[str, Any]] = {}
+        self.message = DeltaFold()
         self.token_ids: list[int] = []
         self.prompt_token_ids: list[int] | None = None
         self.finish_reason: str | None = None
@@ -116,24 +115,7 @@ class StreamAccumulator:
         choices = data.get("choices") or []
         for choice in choices:
             delta = choice.get("delta") or {}
-            got = False
-            if delta.get("content"):
-                self.content.append(delta["content"])
-                got = True
-            piece = delta.get("reasoning") or delta.get("reasoning_content")
-            if piece:
-                self.reasoning.append(piece)
-                got = True
-            for call in delta.get("tool_calls") or []:
-                slot = self.calls.setdefault(
-                    int(call.get("index") or 0),
-                    {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
-                )
-                slot["id"] = call.get("id") or slot["id"]
-                fn = call.get("function") or {}
-                slot["function"]["name"] += fn.get("name") or ""
-                slot["function"]["arguments"] += fn.get("arguments") or ""
-                got = True
+            got = self.message.feed(delta) or bool(delta.get("tool_calls"))
             if choice.get("token_ids"):
                 self.token_ids.extend(choice["token_ids"])
                 got = True
@@ -144,13 +126,8 @@ class StreamAccumulator:
         return bool(choices) or self.user_wants_usage or not data.get("usage")
 
     def result(self) -> TurnResult:
-        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.content) or None}
-        if self.reasoning:
-            message["reasoning"] = "".join(self.reasoning)
-        if self.calls:
-            message["tool_calls"] = [self.calls[i] for i in sorted(self.calls)]
         return TurnResult(
-            message=message,
+            message=self.message.message(),
             prompt_token_ids=self.prompt_token_ids,
             output_token_ids=self.token_ids or None,
             finish_reason=self.finish_reason,

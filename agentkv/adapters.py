@@ -101,6 +101,10 @@ class PoolMethods:
         """Take over a thread's or session's conversations saved with ``to_state``."""
         self._pool.from_state(state)
 
+    def close(self) -> None:
+        """Close the sync HTTP client this model created (:meth:`aclose`: both)."""
+        self._pool.close()
+
     async def aclose(self) -> None:
         """Close the HTTP clients this model created."""
         await self._pool.aclose()

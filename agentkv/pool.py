@@ -341,11 +341,13 @@ class AsyncPool(_Side[agentkv.AsyncClient, agentkv.AsyncConversation]):
         if store is not None and (state := self._table.to_state(key)) is not None:
             await store.asave(key, state)
 
-    async def close(self) -> None:
-        """Close the client if the pool owns it."""
+    async def aclose(self) -> None:
+        """Close the client if the pool owns it (``close()`` is the same)."""
         client = self._detach()
         if client is not None and self._pool.owns_clients[1]:
-            await client.close()
+            await client.aclose()
+
+    close = aclose
 
 
 def _completion(answer: Any) -> ChatCompletion:
@@ -448,7 +450,7 @@ class ConversationPool:
     async def aclose(self) -> None:
         """Close the clients this pool owns."""
         self.sync.close()
-        await self.aio.close()
+        await self.aio.aclose()
 
 
 def _message_dump(completion: ChatCompletion) -> dict[str, Any]:

@@ -45,7 +45,7 @@ import random
 import statistics
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -354,6 +354,20 @@ async def _word_ids(http: httpx.AsyncClient, model: str | None) -> list[int]:
     return ids
 
 
+@contextlib.asynccontextmanager
+async def _connected(
+    base: str, model: str | None, timing: Timing, seed: int
+) -> AsyncIterator[_Client]:
+    """A client of the API at ``base`` (its ``/v1/`` URL); without ``model``, for the first
+    model ``/models`` lists (none when it lists none)."""
+    async with httpx.AsyncClient(base_url=base, timeout=600, trust_env=False) as http:
+        if model is None:
+            r = await http.get("models")
+            if r.status_code == 200 and r.json().get("data"):
+                model = str(r.json()["data"][0]["id"])
+        yield _Client(http, model, timing, await _word_ids(http, model), random.Random(seed))
+
+
 async def _recompute(c: _Client, n: int) -> Measurement:
     seconds, _ = await c.ttft(c.prompt(n), {}, cache_salt=uuid.uuid4().hex)
     return Measurement("recompute", n, 0, seconds)
@@ -420,12 +434,7 @@ async def measure(
     """Run the calibration turns against the router at ``endpoint`` (its ``/v1`` base URL)."""
     base = endpoint.rstrip("/") + "/"
     notify = on_step or (lambda _s: None)
-    async with httpx.AsyncClient(base_url=base, timeout=600, trust_env=False) as http:
-        if model is None:
-            r = await http.get("models")
-            if r.status_code == 200 and r.json().get("data"):
-                model = str(r.json()["data"][0]["id"])
-        c = _Client(http, model, timing, await _word_ids(http, model), random.Random(seed))
+    async with _connected(base, model, timing, seed) as c:
         out: list[Measurement] = []
         for n in contexts:
             for _ in range(repeats):
@@ -541,12 +550,7 @@ async def measure_decode_side(
     base = decode_url.rstrip("/")
     base = (base if base.endswith("/v1") else base + "/v1") + "/"
     notify = on_step or (lambda _s: None)
-    async with httpx.AsyncClient(base_url=base, timeout=600, trust_env=False) as http:
-        if model is None:
-            r = await http.get("models")
-            if r.status_code == 200 and r.json().get("data"):
-                model = str(r.json()["data"][0]["id"])
-        c = _Client(http, model, timing, await _word_ids(http, model), random.Random(seed + 1))
+    async with _connected(base, model, timing, seed + 1) as c:
         out: list[Measurement] = []
         for n in contexts:
             for _ in range(repeats):

@@ -38,7 +38,7 @@ import contextlib
 import math
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -205,6 +205,24 @@ class TurnRecord:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def read_reuse(self, decision: str, cached_tokens: int | None) -> None:
+        """The router's decision and what prefill did not compute (``prompt_tokens`` set)."""
+        self.decision = decision
+        # past the router's TTL the store has dropped the handle (``miss``) or is about to
+        gone = decision in ("expired", "miss")
+        self.expired = self.policy != "none" and self.turn > 0 and gone
+        self.reused_tokens = cached_tokens or 0
+        self.recomputed_tokens = self.prompt_tokens - self.reused_tokens
+
+    def read_headers(self, headers: Mapping[str, str]) -> None:
+        """What the router's and the simulator's answer headers (lower-case names) say."""
+        if HEADER_SIM_WRONG_KV_TOKENS.lower() in headers:
+            self.wrong_kv_tokens = int(headers[HEADER_SIM_WRONG_KV_TOKENS.lower()])
+        if HEADER_SIM_MODEL_TTFT_MS.lower() in headers:
+            self.model_ttft_ms = float(headers[HEADER_SIM_MODEL_TTFT_MS.lower()])
+        self.trim_cause = headers.get(HEADER_TRIM_CAUSE.lower())
+        self.identity = headers.get(HEADER_IDENTITY.lower())
+
 
 def ideal_tokens(prompt: Sequence[int], held: Sequence[int], block_size: int) -> tuple[int, int]:
     """(ideal reuse, common prefix) of ``prompt`` against what D holds."""
@@ -215,6 +233,15 @@ def ideal_tokens(prompt: Sequence[int], held: Sequence[int], block_size: int) ->
         n += 1
     ideal = n if n == len(held) else n // block_size * block_size
     return max(0, min(ideal, len(prompt) - 1)), n
+
+
+def session_done(
+    records: list[TurnRecord], settings: ReplaySettings, script: SessionScript
+) -> list[TurnRecord]:
+    """A session's records, their retention modelled (see :func:`modelled_retention`)."""
+    complete = len(records) == len(script.turns) and not any(r.error for r in records)
+    modelled_retention(records, settings, script.next_gap_s if complete else None)
+    return records
 
 
 def modelled_retention(
@@ -343,7 +370,7 @@ class _Agents:
 
     async def __aexit__(self, *exc: object) -> None:
         if self._shared is not None:
-            await self._shared.close()
+            await self._shared.aclose()
 
     def born(self) -> Any:
         """A client for an agent that starts (or comes back)."""
@@ -352,7 +379,7 @@ class _Agents:
     async def died(self, client: Any) -> None:
         """The agent is gone: its renewals stop, nothing is released (``lease``)."""
         if client is not self._shared:
-            await client.close()
+            await client.aclose()
             self.deaths += 1
             self.last_death = time.perf_counter()
 
@@ -436,32 +463,20 @@ async def _run_session(
         rec.lcp_tokens = lcp
         rec.reusable_tokens = ideal
         rec.ideal_tokens = ideal if rec.within_ttl else 0
-        rec.decision = receipt.decision or ""
-        # past the router's TTL the store has dropped the handle (``miss``) or is about to
-        rec.expired = policy != "none" and turn.index > 0 and rec.decision in ("expired", "miss")
+        rec.read_reuse(receipt.decision or "", receipt.cached_tokens)
         rec.router_reused_tokens = receipt.reused_tokens or 0
-        rec.reused_tokens = receipt.cached_tokens or 0
-        rec.recomputed_tokens = rec.prompt_tokens - rec.reused_tokens
-        headers = capture.headers.pop(conv.id, {})
-        if HEADER_SIM_WRONG_KV_TOKENS.lower() in headers:
-            rec.wrong_kv_tokens = int(headers[HEADER_SIM_WRONG_KV_TOKENS.lower()])
-        if HEADER_SIM_MODEL_TTFT_MS.lower() in headers:
-            rec.model_ttft_ms = float(headers[HEADER_SIM_MODEL_TTFT_MS.lower()])
+        rec.read_headers(capture.headers.pop(conv.id, {}))
         rec.verified_tokens = receipt.verified_prefix_tokens or 0
-        rec.trim_cause = headers.get(HEADER_TRIM_CAUSE.lower())
-        rec.identity = headers.get(HEADER_IDENTITY.lower())
         held = ids[:-1]
         rec.retained_blocks = math.ceil(len(held) / settings.block_size)
         tool_wait = turn.trace.tool_call
         if policy == "none":
-            await conv.close()
+            await conv.aclose()
         records.append(rec)
         on_turn(rec)
     # the agent leaves without close(): D's timer, or the lapsed lease, frees its last blocks
     await agents.died(client)
-    complete = len(records) == len(script.turns) and not any(r.error for r in records)
-    modelled_retention(records, settings, script.next_gap_s if complete else None)
-    return records
+    return session_done(records, settings, script)
 
 
 @dataclass

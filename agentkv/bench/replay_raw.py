@@ -39,11 +39,10 @@ from agentkv.bench.replay import (
     SessionScript,
     TurnRecord,
     ideal_tokens,
-    modelled_retention,
+    session_done,
     start_record,
 )
 from agentkv.bench.wire import (
-    HEADER_IDENTITY,
     TOOL_CALL,
     Answer,
     Codec,
@@ -59,9 +58,6 @@ from agentkv.bench.wire import (
 from agentkv.protocol import (
     HEADER_DECISION,
     HEADER_REUSED_TOKENS,
-    HEADER_SIM_MODEL_TTFT_MS,
-    HEADER_SIM_WRONG_KV_TOKENS,
-    HEADER_TRIM_CAUSE,
     HEADER_VERIFIED_PREFIX_TOKENS,
 )
 
@@ -252,19 +248,10 @@ class RawClients:
             rec.latency_ms = (answered - started) * 1000
             rec.prompt_tokens = answer.prompt_tokens
             rec.output_tokens = answer.completion_tokens
-            rec.decision = headers.get(HEADER_DECISION.lower(), "")
+            rec.read_reuse(headers.get(HEADER_DECISION.lower(), ""), answer.cached_tokens)
             rec.router_reused_tokens = _header_int(headers, HEADER_REUSED_TOKENS)
             rec.verified_tokens = _header_int(headers, HEADER_VERIFIED_PREFIX_TOKENS)
-            rec.trim_cause = headers.get(HEADER_TRIM_CAUSE.lower())
-            rec.identity = headers.get(HEADER_IDENTITY.lower())
-            gone = rec.decision in ("expired", "miss")
-            rec.expired = policy != "none" and turn.index > 0 and gone
-            rec.reused_tokens = answer.cached_tokens or 0
-            rec.recomputed_tokens = rec.prompt_tokens - rec.reused_tokens
-            if HEADER_SIM_WRONG_KV_TOKENS.lower() in headers:
-                rec.wrong_kv_tokens = int(headers[HEADER_SIM_WRONG_KV_TOKENS.lower()])
-            if HEADER_SIM_MODEL_TTFT_MS.lower() in headers:
-                rec.model_ttft_ms = float(headers[HEADER_SIM_MODEL_TTFT_MS.lower()])
+            rec.read_headers(headers)
             # what D holds for the next turn: the prompt it ran and the answer but its last token
             rec.generated_known = gen is not None
             rec.retained_blocks = math.ceil(
@@ -276,9 +263,7 @@ class RawClients:
             records.append(rec)
             on_turn(rec)
         await self._ideals(sent)
-        complete = len(records) == len(script.turns) and not any(r.error for r in records)
-        modelled_retention(records, settings, script.next_gap_s if complete else None)
-        return records
+        return session_done(records, settings, script)
 
     async def _send(
         self,

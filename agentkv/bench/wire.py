@@ -36,6 +36,7 @@ from agentkv.protocol import (
     HEADER_CLAUDE_CODE_SESSION_ID,
     HEADER_SESSION_ID,
 )
+from agentkv.protocol.deltas import DeltaFold, ToolCall
 
 __all__ = [
     "CLIENTS",
@@ -80,14 +81,6 @@ Role = Literal["system", "user", "assistant", "tool"]
 
 class WireError(RuntimeError):
     """A request the server refused, or a stream that ended in an error."""
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    id: str
-    name: str
-    arguments: str
-    """JSON text, as the model wrote it."""
 
 
 @dataclass(frozen=True)
@@ -251,7 +244,7 @@ def _system(history: Sequence[Message]) -> tuple[str | None, list[Message]]:
 class _ChatStream:
     def __init__(self) -> None:
         self.out = Answer()
-        self._calls: dict[int, dict[str, str]] = {}
+        self._message = DeltaFold()
 
     def feed(self, event: str | None, data: Any) -> bool:
         if "error" in data:
@@ -264,30 +257,16 @@ class _ChatStream:
             details = usage.get("prompt_tokens_details") or {}
             self.out.cached_tokens = details.get("cached_tokens")
         for choice in data.get("choices") or []:
-            delta = choice.get("delta") or {}
-            if delta.get("content"):
-                self.out.text += delta["content"]
-                first = True
-            thought = delta.get("reasoning") or delta.get("reasoning_content")
-            if thought:
-                self.out.reasoning = (self.out.reasoning or "") + thought
-                first = True
-            for tc in delta.get("tool_calls") or []:
-                slot = self._calls.setdefault(int(tc.get("index", 0)), {"arguments": ""})
-                function = tc.get("function") or {}
-                for key, value in (("id", tc.get("id")), ("name", function.get("name"))):
-                    if value:
-                        slot[key] = value
-                slot["arguments"] += function.get("arguments") or ""
+            first = self._message.feed(choice.get("delta") or {}) or first
             if choice.get("finish_reason"):
                 self.out.finish_reason = choice["finish_reason"]
         return first
 
     def answer(self) -> Answer:
-        self.out.calls = [
-            ToolCall(c.get("id", ""), c.get("name", ""), c["arguments"])
-            for _, c in sorted(self._calls.items())
-        ]
+        message = self._message
+        self.out.text = message.content or ""
+        self.out.reasoning = message.reasoning or None
+        self.out.calls = message.calls()
         return self.out
 
 

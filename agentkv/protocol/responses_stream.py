@@ -329,6 +329,17 @@ class ResponsesEncoder:
                 )
         return events
 
+    def _part_done(
+        self, kind: str, at: int, item: _Open, part: dict[str, Any], **extra: Any
+    ) -> list[dict[str, Any]]:
+        """A text part's closing events: ``response.<kind>.done`` with its text, then the
+        part's ``response.content_part.done``."""
+        where = {"output_index": at, "item_id": item.item_id, "content_index": 0}
+        return [
+            self._event(f"response.{kind}.done", **where, text=item.text, **extra),
+            self._event("response.content_part.done", **where, part=part),
+        ]
+
     def _close(self, status: str) -> list[dict[str, Any]]:
         """The open item's closing events (vLLM ``emit_simple_*_done``)."""
         item = self._open
@@ -347,71 +358,24 @@ class ResponsesEncoder:
                 "status": status,
                 "content": [part] if item.text else [],
             }
-            events.append(
-                self._event(
-                    "response.output_text.done",
-                    output_index=at,
-                    item_id=item.item_id,
-                    content_index=0,
-                    text=item.text,
-                    logprobs=[],
-                )
-            )
-            events.append(
-                self._event(
-                    "response.content_part.done",
-                    output_index=at,
-                    item_id=item.item_id,
-                    content_index=0,
-                    part=part,
-                )
-            )
+            events += self._part_done("output_text", at, item, part, logprobs=[])
         elif item.kind == "reasoning":
             done = reasoning_item(item.text, status, item.item_id)
-            events.append(
-                self._event(
-                    "response.reasoning_text.done",
-                    output_index=at,
-                    item_id=item.item_id,
-                    content_index=0,
-                    text=item.text,
-                )
-            )
-            events.append(
-                self._event(
-                    "response.content_part.done",
-                    output_index=at,
-                    item_id=item.item_id,
-                    content_index=0,
-                    part={"type": "reasoning_text", "text": item.text},
-                )
-            )
+            part = {"type": "reasoning_text", "text": item.text}
+            events += self._part_done("reasoning_text", at, item, part)
         else:
             done = call_item(self._tools, item.name, item.text, item.call_id, status, item.item_id)
+            where = {"output_index": at, "item_id": item.item_id}
             if done["type"] == "custom_tool_call":
+                kind = "response.custom_tool_call_input"
                 if done["input"]:
-                    events.append(
-                        self._event(
-                            "response.custom_tool_call_input.delta",
-                            output_index=at,
-                            item_id=item.item_id,
-                            delta=done["input"],
-                        )
-                    )
-                events.append(
-                    self._event(
-                        "response.custom_tool_call_input.done",
-                        output_index=at,
-                        item_id=item.item_id,
-                        input=done["input"],
-                    )
-                )
+                    events.append(self._event(f"{kind}.delta", **where, delta=done["input"]))
+                events.append(self._event(f"{kind}.done", **where, input=done["input"]))
             else:
                 events.append(
                     self._event(
                         "response.function_call_arguments.done",
-                        output_index=at,
-                        item_id=item.item_id,
+                        **where,
                         name=done["name"],
                         arguments=item.text,
                     )

@@ -41,6 +41,7 @@ from agentkv.router.request import ClientRequest, TokenIds, wire_ids
 from agentkv.router.retention import Retention
 from agentkv.router.sse import Captured, clean_response, synthesize_stream
 from agentkv.router.store import StoredHandle
+from agentkv.router.tasks import TaskSet
 from agentkv.router.tracing import trace_headers
 from agentkv.router.upstream import (
     EnginePool,
@@ -126,7 +127,7 @@ class Router:
         self.retention = Retention(
             config, store, leases or MemoryLeases(), pool.decode, self.release, metrics
         )
-        self._background: set[asyncio.Task[None]] = set()
+        self._background = TaskSet()
         for engine in pool.decode:
             engine.on_eject.append(self._drop_handles_of)
             engine.on_new_identity.append(self._drop_handles_of_old)
@@ -139,17 +140,14 @@ class Router:
 
     # -- background work -------------------------------------------------------------------
     def _spawn(self, coro: Any) -> None:
-        task = asyncio.ensure_future(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._background.spawn(coro)
 
     def start(self) -> None:
         self.retention.start()
 
     async def drain(self) -> None:
         await self.retention.aclose()
-        if self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
+        await self._background.wait()
         await self.relay.aclose()
 
     def _drop_handles_of(self, engine: Upstream) -> None:

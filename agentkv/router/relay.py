@@ -23,6 +23,7 @@ from agentkv.protocol import error_body
 from agentkv.protocol.http import sse
 from agentkv.router.http import Stream, TransportError
 from agentkv.router.sse import Captured, EventRelay
+from agentkv.router.tasks import TaskSet
 
 __all__ = ["Relay", "StreamOutcome"]
 
@@ -52,13 +53,10 @@ class Relay:
     def __init__(self, *, drain_timeout_s: float, max_drains: int) -> None:
         self.drain_timeout_s, self.max_drains = drain_timeout_s, max_drains
         self.draining = 0
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet()
 
     async def aclose(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._tasks.cancel()
 
     def stream(
         self,
@@ -83,16 +81,9 @@ class Relay:
             keep_prompt_ids=keep_ids if keep_prompt_ids is None else keep_prompt_ids,
             accumulate=accumulate,
         )
-        task = asyncio.ensure_future(
-            self._read(upstream, queue, outcome, events, on_handle=on_handle, on_first=on_first)
-        )
-        self._tasks.add(task)
-
-        def finished(t: asyncio.Task[None]) -> None:
-            self._tasks.discard(t)
-            on_end(outcome)
-
-        task.add_done_callback(finished)
+        read = self._read(upstream, queue, outcome, events, on_handle=on_handle, on_first=on_first)
+        task = self._tasks.spawn(read)
+        task.add_done_callback(lambda _: on_end(outcome))
         return self._forward(queue, outcome, task)
 
     async def _forward(

@@ -22,13 +22,14 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from agentkv.protocol import Metric
+from agentkv.protocol.promtext import samples
 from agentkv.router.config import RouterConfig
 from agentkv.router.guard import GuardedStore
 from agentkv.router.http import TransportError
 from agentkv.router.leases import Leases
 from agentkv.router.metrics import RouterMetrics
 from agentkv.router.store import StoredHandle, StoreKey
-from agentkv.router.tasks import cancel_and_wait
+from agentkv.router.tasks import TaskSet
 from agentkv.router.upstream import Upstream
 
 __all__ = ["LeasesUnavailable", "Refused", "Retention", "kv_usage"]
@@ -56,17 +57,16 @@ class LeasesUnavailable(Exception):
 
 
 def kv_usage(metrics_text: str) -> float | None:
-    """The largest ``vllm:kv_cache_usage_perc`` sample in a Prometheus text page (0-1)."""
+    """The largest ``vllm:kv_cache_usage_perc`` sample in a Prometheus text page (0-1); None
+    when there is none or its lines are not Prometheus text. Only that gauge's lines are
+    parsed: the whole of a vLLM page would hold the event loop some 15 ms."""
     name = Metric.KV_CACHE_USAGE_PERC
-    best: float | None = None
-    for line in metrics_text.splitlines():
-        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
-            try:
-                value = float(line.rsplit(" ", 1)[1])
-            except (IndexError, ValueError):
-                continue
-            best = value if best is None else max(best, value)
-    return best
+    lines = [line for line in metrics_text.splitlines() if line.startswith(name)]
+    try:
+        values = [s.value for s in samples("\n".join(lines) + "\n") if s.name == name]
+    except ValueError:
+        return None
+    return max(values, default=None)
 
 
 class Retention:
@@ -83,15 +83,16 @@ class Retention:
     ) -> None:
         self.config, self.store, self.leases = config, store, leases
         self.decode, self.release, self.metrics = decode, release, metrics
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks = TaskSet()
 
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._leases_forever())]
+        self._tasks.spawn(self._leases_forever())
         if self.config.kv_pressure_watermark is not None:
-            self._tasks += [asyncio.create_task(self._pressure_forever(e)) for e in self.decode]
+            for engine in self.decode:
+                self._tasks.spawn(self._pressure_forever(engine))
 
     async def aclose(self) -> None:
-        await cancel_and_wait(self._tasks)
+        await self._tasks.cancel()
 
     async def renew(self, key: StoreKey, seconds: float) -> float:
         """A turn's ``X-AgentKV-Lease``: start or renew the conversation's lease (the turn makes

@@ -18,16 +18,16 @@ to the client in one write.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
+from agentkv.protocol.deltas import DeltaFold
 from agentkv.protocol.http import sse
 
 __all__ = [
-    "Answer",
     "Captured",
     "EventRelay",
     "clean_response",
@@ -43,61 +43,6 @@ _OPENERS = frozenset(b"{,")
 _DONE = b"data: [DONE]"
 
 
-class Answer:
-    """A streamed chat answer's assistant message, accumulated from its deltas as a client
-    accumulates them (openai-python's rule: strings concatenated, tool calls by ``index``)."""
-
-    __slots__ = ("calls", "content", "reasoning")
-
-    def __init__(self) -> None:
-        self.content: list[str] = []
-        self.reasoning: list[str] = []
-        self.calls: dict[int, dict[str, list[str]]] = {}
-
-    def feed(self, delta: Mapping[str, Any]) -> None:
-        content = delta.get("content")
-        if isinstance(content, str):
-            self.content.append(content)
-        reasoning = delta.get("reasoning")
-        if reasoning is None:
-            reasoning = delta.get("reasoning_content")
-        if isinstance(reasoning, str):
-            self.reasoning.append(reasoning)
-        for i, call in enumerate(delta.get("tool_calls") or ()):
-            if not isinstance(call, Mapping):
-                continue
-            index = call.get("index")
-            slot = self.calls.setdefault(
-                index if isinstance(index, int) else i, {"id": [], "name": [], "arguments": []}
-            )
-            fn = call.get("function")
-            fn = fn if isinstance(fn, Mapping) else {}
-            for part, value in (
-                ("id", call.get("id")),
-                ("name", fn.get("name")),
-                ("arguments", fn.get("arguments")),
-            ):
-                if isinstance(value, str):
-                    slot[part].append(value)
-
-    def message(self) -> dict[str, Any]:
-        msg: dict[str, Any] = {
-            "role": "assistant",
-            "content": "".join(self.content) or None,
-            "reasoning": "".join(self.reasoning) or None,
-        }
-        if self.calls:
-            msg["tool_calls"] = [
-                {
-                    "id": "".join(c["id"]),
-                    "type": "function",
-                    "function": {"name": "".join(c["name"]), "arguments": "".join(c["arguments"])},
-                }
-                for _, c in sorted(self.calls.items())
-            ]
-        return msg
-
-
 @dataclass
 class Captured:
     """What the router keeps from D's answer."""
@@ -108,7 +53,7 @@ class Captured:
     usage: dict[str, Any] | None = None
     message: dict[str, Any] | None = None
     """A non-streamed chat answer's assistant message."""
-    answer: Answer | None = None
+    answer: DeltaFold | None = None
     """A streamed chat answer's, accumulated when the relay is asked to."""
 
     def assistant_message(self) -> dict[str, Any] | None:
@@ -191,7 +136,7 @@ class EventRelay:
         self.done = False
         self._parts: list[bytes] = []
         if accumulate:
-            captured.answer = Answer()
+            captured.answer = DeltaFold()
 
     def feed(self, data: bytes) -> bytes:
         if b"\r" in data:
@@ -254,7 +199,7 @@ class EventRelay:
         return b"".join(out)
 
     @staticmethod
-    def _deltas(block: bytes, answer: Answer) -> None:
+    def _deltas(block: bytes, answer: DeltaFold) -> None:
         for line in block.split(b"\n"):
             if not line.startswith(b"data: {"):
                 continue

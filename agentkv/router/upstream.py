@@ -28,7 +28,7 @@ from agentkv.router.http import (
     TransportError,
 )
 from agentkv.router.store import StoredHandle
-from agentkv.router.tasks import cancel_and_wait
+from agentkv.router.tasks import TaskSet
 
 __all__ = [
     "EnginePool",
@@ -234,7 +234,7 @@ class EnginePool:
         self.decode = [
             Upstream("decode", b, client(b), client(b, health=True)) for b in config.decode
         ]
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks = TaskSet()
         self.served_model: str | None = None
         """The model D serves by default (the first of its ``/v1/models``): a request without
         ``model`` is for this one, as vLLM reads it."""
@@ -285,10 +285,11 @@ class EnginePool:
             await asyncio.sleep(self.config.health_interval_s)
 
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._watch(e)) for e in self.all]
+        for engine in self.all:
+            self._tasks.spawn(self._watch(engine))
 
     async def aclose(self) -> None:
-        await cancel_and_wait(self._tasks)
+        await self._tasks.cancel()
         for e in self.all:
             await e.client.aclose()
             await e.health.aclose()

@@ -55,12 +55,12 @@ from typing import Any, Literal, TypedDict
 
 from typing_extensions import Unpack
 
+from agentkv.protocol.deltas import DeltaFold, ToolCall
 from agentkv.sim.arg_types import fix_arg_types
 
 __all__ = [
     "OutputOptions",
     "ParsedOutput",
-    "ParsedToolCall",
     "ReasoningParser",
     "ToolChoice",
     "ToolFormat",
@@ -85,18 +85,10 @@ CLOSE_ANGLE = ">"
 
 
 @dataclass(frozen=True)
-class ParsedToolCall:
-    id: str
-    name: str
-    arguments: str
-    """The JSON text of the arguments, as vLLM returns it."""
-
-
-@dataclass(frozen=True)
 class ParsedOutput:
     reasoning: str | None
     content: str | None
-    tool_calls: list[ParsedToolCall] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 # -- text that remembers where it came from --------------------------------------------------
@@ -476,7 +468,7 @@ def _output(parsed: _Parsed, seed: int) -> ParsedOutput:
         reasoning=None if parsed.reasoning is None else parsed.reasoning.text,
         content=None if parsed.content is None else parsed.content.text,
         tool_calls=[
-            ParsedToolCall(id=i, name=call.name, arguments=call.arguments)
+            ToolCall(id=i, name=call.name, arguments=call.arguments)
             for i, call in zip(ids, parsed.calls, strict=True)
         ],
     )
@@ -552,24 +544,12 @@ def stream_deltas(
 
 def join_deltas(deltas: Iterable[Mapping[str, Any] | None]) -> ParsedOutput:
     """What a client accumulates from chat-completion deltas."""
-    reasoning: list[str] | None = None
-    content: list[str] | None = None
-    calls: dict[int, dict[str, str]] = {}
+    folded = DeltaFold()
     for delta in deltas:
-        if delta is None:
-            continue
-        if delta.get("reasoning") is not None:
-            reasoning = (reasoning or []) + [delta["reasoning"]]
-        if delta.get("content") is not None:
-            content = (content or []) + [delta["content"]]
-        for tc in delta.get("tool_calls") or []:
-            call = calls.setdefault(tc["index"], {"id": "", "name": "", "arguments": ""})
-            call["id"] = tc.get("id") or call["id"]
-            function = tc.get("function") or {}
-            call["name"] += function.get("name") or ""
-            call["arguments"] += function.get("arguments") or ""
+        if delta is not None:
+            folded.feed(delta)
     return ParsedOutput(
-        reasoning=None if reasoning is None else "".join(reasoning),
-        content=None if content is None else "".join(content),
-        tool_calls=[ParsedToolCall(**calls[i]) for i in sorted(calls)],
+        reasoning=folded.reasoning,
+        content=folded.content,
+        tool_calls=folded.calls(),
     )

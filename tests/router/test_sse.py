@@ -101,4 +101,4 @@ def test_a_long_echo_in_many_reads_is_cut_and_the_answer_kept(accumulate: bool) 
     assert relay.captured.output_ids == want.output_ids and relay.done
     assert relay.captured.handle == want.handle
     if accumulate:
-        assert relay.captured.answer is not None and relay.captured.answer.calls
+        assert relay.captured.answer is not None and relay.captured.answer.tool_calls()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 
 import agentkv
@@ -14,10 +16,10 @@ def public(cls: type) -> set[str]:
 
 ONLY = {
     # (sync, async): names only one twin has, each documented in docs/sdk.md
-    "client": (set(), set()),
-    "conversation": (set(), set()),
-    "stream": ({"close"}, {"aclose"}),
-    "pool": (set(), set()),
+    "client": (set(), {"aclose"}),
+    "conversation": (set(), {"aclose"}),
+    "stream": (set(), {"aclose"}),
+    "pool": (set(), {"aclose"}),
 }
 
 
@@ -47,3 +49,34 @@ def test_pool_runs_on_the_twins() -> None:
     p = pool.ConversationPool(model="m", client=lambda: None, async_client=lambda: None)  # type: ignore[arg-type,return-value]
     assert p.run == p.sync.run and p.arun == p.aio.run
     assert p.stream == p.sync.stream and p.astream == p.aio.stream
+
+
+# Objects with a sync ``close()`` (the sync side) and an async ``aclose()`` (both sides).
+MIXED = {"ConversationPool"}
+
+
+def test_every_async_object_closes_by_both_spellings() -> None:
+    """``aclose()`` (httpx, the standard library's async generators and ``aclosing``) and
+    ``close()`` (``openai.AsyncOpenAI``'s spelling) are one coroutine on every async object."""
+    found = {getattr(agentkv, name) for name in agentkv.__all__} | {
+        getattr(pool, name) for name in dir(pool) if not name.startswith("_")
+    }
+    closable = {
+        cls
+        for cls in found
+        if isinstance(cls, type)
+        and cls.__module__.startswith("agentkv")
+        and any(inspect.iscoroutinefunction(getattr(cls, n, None)) for n in ("close", "aclose"))
+    }
+    mixed = {cls.__name__ for cls in closable if not inspect.iscoroutinefunction(cls.close)}
+    assert mixed == MIXED
+    both = closable - {getattr(pool, name) for name in MIXED}
+    assert {cls.__name__ for cls in both} >= {
+        "AsyncClient",
+        "AsyncConversation",
+        "AsyncConversationStream",
+        "AsyncRemoteRenderer",
+        "AsyncPool",
+    }
+    for cls in both:
+        assert cls.close is cls.aclose, cls.__name__

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from agentkv.protocol.deltas import ToolCall
 from agentkv.sim.outputs import (
     ParsedOutput,
-    ParsedToolCall,
     join_deltas,
     parse_output,
     stream_deltas,
@@ -434,7 +434,7 @@ def test_join_deltas_accumulates_like_a_client() -> None:
         {"content": "b", "reasoning": "r"},
     ]
     assert join_deltas(deltas) == ParsedOutput(
-        "r", "ab", [ParsedToolCall("x", "f", ""), ParsedToolCall("y", "g", "{}")]
+        "r", "ab", [ToolCall("x", "f", ""), ToolCall("y", "g", "{}")]
     )
 
 

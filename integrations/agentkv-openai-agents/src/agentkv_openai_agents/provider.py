@@ -188,7 +188,7 @@ class AgentKVModelProvider(ModelProvider):
         if client is not None and owns[0]:
             client.close()
         if aclient is not None and owns[1]:
-            await aclient.close()
+            await aclient.aclose()
 
 
 class AgentKVModel(OpenAIChatCompletionsModel):
@@ -260,3 +260,5 @@ class _Stream:
         aclose = getattr(self._chunks, "aclose", None)
         if callable(aclose):
             await aclose()
+
+    close = aclose

@@ -185,7 +185,7 @@ class ChatAgentKV(BaseChatModel, PoolMethods):
         params["ls_model_name"] = self.model
         return params
 
-    # -- conversations (pool, from_state, aclose: PoolMethods) ------------------------------
+    # -- conversations (pool, from_state, close, aclose: PoolMethods) -----------------------
     def conversation(self, thread_id: str) -> AnyConversation | None:
         """The agentkv conversation of a thread (its id is the thread id), once it has run."""
         return self._pool.conversation(thread_id)
@@ -193,10 +193,6 @@ class ChatAgentKV(BaseChatModel, PoolMethods):
     def to_state(self, thread_id: str) -> dict[str, Any] | None:
         """A thread's conversations as JSON-able state, to keep with the app's own state."""
         return self._pool.to_state(thread_id)
-
-    def close(self) -> None:
-        """Close the sync HTTP client this model created."""
-        self._pool.close()
 
     # -- turns ---------------------------------------------------------------------------------
     def _generate(

@@ -194,7 +194,7 @@ class AgentKV(FunctionCallingLLM, PoolMethods):
         )
         return FALLBACK_CONTEXT_WINDOW
 
-    # -- conversations (pool, from_state, aclose: PoolMethods) ------------------------------
+    # -- conversations (pool, from_state, close, aclose: PoolMethods) -----------------------
     def conversation(self, session_id: str) -> AnyConversation | None:
         """The agentkv conversation of a session (its id is the session id), once it has run."""
         return self._pool.conversation(session_id)
