@@ -52,6 +52,7 @@ from agentkv.bench.wire import (
     Turn,
     WireError,
     codec_for,
+    same_answer,
     shadow,
     sse_events,
     strip_reasoning,
@@ -79,6 +80,9 @@ class _Sent:
     record: TurnRecord
     history: list[Message]
     """The history the request carried."""
+    returned: list[Message | None]
+    """Per message of ``history``: the answer as the engine returned it, when the client sent
+    it back unchanged (:func:`~agentkv.bench.wire.same_answer`); None otherwise."""
     gen: list[int] | None
     """The generated ids (the answer's text re-tokenized), None when unknown."""
     completion_tokens: int
@@ -160,23 +164,35 @@ class RawClients:
                 return text, ids[:-1]
         return None, None
 
-    async def _prompt_ids(self, history: Sequence[Message]) -> list[int]:
+    async def _prompt_ids(
+        self, history: Sequence[Message], returned: Sequence[Message | None] | None
+    ) -> list[int]:
         return await self._tokenize(
             {
-                "messages": shadow(history),
+                "messages": shadow(history, returned),
                 "add_generation_prompt": True,
                 "chat_template_kwargs": dict(self.settings.chat_template_kwargs),
             }
         )
 
     async def _ideals(self, sent: Sequence[_Sent]) -> None:
-        """Fill each turn's prompt, held, common prefix and ideal on exact-mode ids."""
+        """Fill each turn's prompt, held, common prefix and ideal on exact-mode ids: every
+        answer the client sent back unchanged as generated, every other message as sent
+        (``ideal_tokens``); and with every answer as generated, changed ones too
+        (``ideal_generated_tokens``: more only where the template renders a changed answer
+        otherwise than the model wrote it, e.g. without its tool call)."""
         held: list[int] = []
+        held_all: list[int] = []
         unknown = -1
         for s in sent:
             rec = s.record
             try:
-                prompt = await self._prompt_ids(s.history)
+                prompt = await self._prompt_ids(s.history, s.returned)
+                changed = any(
+                    m.role == "assistant" and r is None
+                    for m, r in zip(s.history, s.returned, strict=True)
+                )
+                every = await self._prompt_ids(s.history, None) if changed else prompt
             except (httpx.HTTPError, WireError, ValueError, KeyError) as exc:
                 rec.error = rec.error or f"ideal: {type(exc).__name__}: {exc}"[:300]
                 return
@@ -184,13 +200,16 @@ class RawClients:
                 ideal, lcp = ideal_tokens(prompt, held, self.settings.block_size)
                 rec.lcp_tokens, rec.reusable_tokens = lcp, ideal
                 rec.ideal_tokens = ideal if rec.within_ttl else 0
+                generated, _ = ideal_tokens(every, held_all, self.settings.block_size)
+                rec.ideal_generated_tokens = generated if rec.within_ttl else 0
             rec.held_tokens = len(held)
             if s.gen is not None:
-                held = prompt + s.gen
+                tail = s.gen
             else:
                 n = max(0, s.completion_tokens - 1)
-                held = prompt + list(range(unknown, unknown - n, -1))
+                tail = list(range(unknown, unknown - n, -1))
                 unknown -= n
+            held, held_all = prompt + tail, every + tail
 
     # -- one session ---------------------------------------------------------------------------
     async def run_session(
@@ -206,6 +225,8 @@ class RawClients:
         device = uuid.uuid4().hex
         tools = _tool_turns(script)
         history: list[Message] = []
+        returned: list[Message | None] = []
+        """Per message: the answer as the engine returned it while the client keeps it so."""
         sent: list[_Sent] = []
         records: list[TurnRecord] = []
         answered = time.perf_counter()
@@ -219,11 +240,16 @@ class RawClients:
             if turn.index and wait > 0:
                 await asyncio.sleep(wait)
             if turn.keep is not None:
-                history = history[: turn.keep]
+                history, returned = history[: turn.keep], returned[: turn.keep]
             elif turn.strip:
                 history = strip_reasoning(history)
+                returned = [
+                    r if r is not None and same_answer(r, m) else None
+                    for m, r in zip(history, returned, strict=True)
+                ]
             for m in turn.add:
                 history.append(_added(history, m.role, m.content))
+                returned.append(None)
             session = base_id if policy != "none" else f"{base_id}-t{turn.index}"
             sim: dict[str, Any] = dict(turn.sim_script)
             if turn.index in tools:
@@ -270,8 +296,9 @@ class RawClients:
             rec.retained_blocks = math.ceil(
                 max(0, rec.prompt_tokens + rec.output_tokens - 1) / settings.block_size
             )
-            sent.append(_Sent(rec, list(history), gen, answer.completion_tokens))
+            sent.append(_Sent(rec, list(history), list(returned), gen, answer.completion_tokens))
             history.append(replace(answer.message(), raw=text))
+            returned.append(history[-1])
             tool_wait = turn.trace.tool_call
             records.append(rec)
             on_turn(rec)

@@ -28,8 +28,11 @@ from agentkv.bench.replay import (
     wait_drained,
 )
 from agentkv.bench.report import (
+    SHORTFALL_NOTE,
     PolicySummary,
     policy_name,
+    shortfall_cause,
+    shortfall_rows,
     summarize,
     write_csv,
     write_json,
@@ -275,6 +278,8 @@ def run(
     ]
     started = datetime.now(timezone.utc)
     records, measured = asyncio.run(_run_all(scripts, run, progress))
+    for rec in records:
+        rec.shortfall_cause = shortfall_cause(rec)
     summaries = summarize(records, measured)
     info: dict[str, Any] = {
         "command": "agentkv " + shlex.join(sys.argv[1:]) if sys.argv else "",
@@ -401,6 +406,15 @@ def kind_rows(summaries: Mapping[str, PolicySummary]) -> list[list[str]]:
     return rows
 
 
+def shortfall_lines(summaries: Mapping[str, PolicySummary]) -> list[str]:
+    """The report's shortfall section (:func:`~agentkv.bench.report.shortfall_rows`)."""
+    ordered = dict(_in_order(summaries))
+    rows = shortfall_rows(ordered)
+    if not rows:
+        return []
+    return ["## Shortfall by cause", "", _md_table(rows), "", SHORTFALL_NOTE, ""]
+
+
 def render_markdown(
     meta: Mapping[str, Any], summaries: Mapping[str, PolicySummary], images: Sequence[str]
 ) -> str:
@@ -453,6 +467,7 @@ def render_markdown(
         _md_table(kind_rows(summaries)),
         "",
     ]
+    lines += shortfall_lines(summaries)
     measured = {p: s.measured for p, s in summaries.items() if s.measured}
     if measured:
         lines += [
