@@ -11,14 +11,17 @@ same messages.
 
 **The ideal.** A raw client sees no token ids, so the driver measures apart from the client's
 traffic, after each session, with the server's ``/tokenize``: the prompt of the SDK's exact mode
-for the same history (:func:`~agentkv.bench.wire.shadow`: the answers as the model generated
-them, rendered by a template that writes messages as they are, as the replay's ChatML does),
-and what D held from the previous turn (that prompt + the generated ids, the answer's text
-re-tokenized: exact on the simulator, whose answers are tokenized text; where its count differs
-from the answer's, the ids count as unknown and match nothing). The ideal is then the SDK's rule
-on those ids, so a raw client reads back the ideal only where the router keeps the token
-identity the client cannot (an answer re-rendered without its tool call or empty think block is
-trimmed, cause ``drift``, until it does).
+for the same history (:func:`~agentkv.bench.wire.shadow`: each answer the client sent back
+unchanged as the model generated it, every other message, an answer the client changed
+included, as the client sent it, rendered by the replay's template), and what D held from the
+previous turn (that prompt + the generated ids, the answer's text re-tokenized: exact on the
+simulator, whose answers are tokenized text; where its count differs from the answer's, the ids
+count as unknown and match nothing). The ideal is then the SDK's rule on those ids, so a raw
+client reads back the ideal only where the router keeps the token identity the client cannot
+(an unchanged answer re-rendered without its tool call or empty think block is trimmed, cause
+``drift``, or leaves D holding less of the next prompt). ``ideal_generated_tokens`` is the same
+rule with the changed answers as generated too (their tool calls, which a template that writes
+only text drops): what no client can be given, reported apart.
 """
 
 from __future__ import annotations
@@ -165,11 +168,11 @@ class RawClients:
         return None, None
 
     async def _prompt_ids(
-        self, history: Sequence[Message], returned: Sequence[Message | None] | None
+        self, history: Sequence[Message], returned: Sequence[Message | None], changed: bool
     ) -> list[int]:
         return await self._tokenize(
             {
-                "messages": shadow(history, returned),
+                "messages": shadow(history, returned, changed_as_generated=changed),
                 "add_generation_prompt": True,
                 "chat_template_kwargs": dict(self.settings.chat_template_kwargs),
             }
@@ -187,12 +190,12 @@ class RawClients:
         for s in sent:
             rec = s.record
             try:
-                prompt = await self._prompt_ids(s.history, s.returned)
+                prompt = await self._prompt_ids(s.history, s.returned, False)
                 changed = any(
                     m.role == "assistant" and r is None
                     for m, r in zip(s.history, s.returned, strict=True)
                 )
-                every = await self._prompt_ids(s.history, None) if changed else prompt
+                every = await self._prompt_ids(s.history, s.returned, True) if changed else prompt
             except (httpx.HTTPError, WireError, ValueError, KeyError) as exc:
                 rec.error = rec.error or f"ideal: {type(exc).__name__}: {exc}"[:300]
                 return

@@ -131,14 +131,16 @@ def stack_settings(
     lease: LeaseParams | None = None,
     client: ClientName = "sdk",
 ) -> ReplaySettings:
-    """How to replay on a deployment from :func:`~agentkv.bench.deploy.local_stack`."""
+    """How to replay on a deployment from :func:`~agentkv.bench.deploy.local_stack` (a raw
+    client's token identity outlives D's KV: a longer gap must still land beyond it)."""
+    identity = stack.identity_ttl_real_s if client != "sdk" else 0.0
     return ReplaySettings(
         model=stack.model,
         block_size=stack.block_size,
         time_scale=stack.time_scale,
         router_ttl_s=stack.router_ttl_s,
         decoder_ttl_s=stack.decoder_ttl_s,
-        gap_cap_real_s=stack.decoder_ttl_real_s + 1,
+        gap_cap_real_s=max(stack.decoder_ttl_real_s, identity) + 1,
         concurrency=concurrency,
         honor_starts=honor_starts,
         lease=lease,
@@ -408,11 +410,8 @@ def kind_rows(summaries: Mapping[str, PolicySummary]) -> list[list[str]]:
 
 def shortfall_lines(summaries: Mapping[str, PolicySummary]) -> list[str]:
     """The report's shortfall section (:func:`~agentkv.bench.report.shortfall_rows`)."""
-    ordered = dict(_in_order(summaries))
-    rows = shortfall_rows(ordered)
-    if not rows:
-        return []
-    return ["## Shortfall by cause", "", _md_table(rows), "", SHORTFALL_NOTE, ""]
+    rows = shortfall_rows(dict(_in_order(summaries)))
+    return ["## Shortfall by cause", "", _md_table(rows), "", SHORTFALL_NOTE, ""] if rows else []
 
 
 def render_markdown(

@@ -182,19 +182,26 @@ def same_answer(a: Message, b: Message) -> bool:
 
 
 def shadow(
-    history: Sequence[Message], returned: Sequence[Message | None] | None = None
+    history: Sequence[Message],
+    returned: Sequence[Message | None] | None = None,
+    *,
+    changed_as_generated: bool = False,
 ) -> list[dict[str, Any]]:
-    """The history as chat messages for the replay's ideal (the prompt of the SDK's exact mode):
-    each answer the client sent back unchanged is the text the model generated (``returned[i]``,
-    the message as the engine returned it, ``raw`` included; every answer when ``returned`` is
-    None), rendered by a template that writes messages as they are (the replay's ChatML); every
-    other message, a changed answer included, as the client sent it (its text and tool calls:
-    the template renders what it renders of them)."""
+    """The history as chat messages for the replay's ideal (the prompt of the SDK's exact mode),
+    rendered by a template that writes messages as they are (the replay's ChatML): each answer
+    the client sent back unchanged is the text the model generated (``returned[i]``, the
+    message as the engine returned it, ``raw`` included; every answer when ``returned`` is
+    None); an answer the client changed is what it sent (its text and tool calls: the template
+    renders what it renders of them), or with ``changed_as_generated`` the text the model
+    generated less what the client cut out (its reasoning), tool calls as generated; every
+    other message as the client sent it."""
     out: list[dict[str, Any]] = []
     for i, m in enumerate(history):
-        generated = m if returned is None else returned[i]
-        if m.role == "assistant" and generated is not None and generated.raw is not None:
-            out.append({"role": "assistant", "content": generated.raw})
+        kept = m if returned is None else returned[i]
+        if m.role == "assistant" and kept is not None and kept.raw is not None:
+            out.append({"role": "assistant", "content": kept.raw})
+        elif m.role == "assistant" and changed_as_generated and m.raw is not None:
+            out.append({"role": "assistant", "content": m.raw})
         elif m.role == "assistant" and m.calls and returned is not None:
             calls = [
                 {
