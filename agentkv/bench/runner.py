@@ -430,7 +430,7 @@ def render_markdown(
         f"{meta.get('selection', '')}",
         f"- token counts × {meta.get('token_scale')}; gaps × {settings.get('time_scale')} "
         f"(gaps longer than {_fmt(settings.get('gap_cap_real_s'), 1)} s real shortened to that: "
-        "the handle has expired either way); at most "
+        "the handle, and a raw client's token identity, has expired either way); at most "
         f"{settings.get('concurrency')} sessions at once",
         f"- router TTL {_fmt(settings.get('router_ttl_s'), 0)} s and D TTL "
         f"{_fmt(settings.get('decoder_ttl_s'), 0)} s in trace time"
