@@ -56,6 +56,8 @@ class Stack:
     description: str
     kv_recompute_threshold: int
     prefill_prefix_caching: bool
+    identity_ttl_real_s: float = 0.0
+    """Real seconds the router keeps a conversation's token identity (``identity_ttl_s``)."""
 
     @property
     def engine_urls(self) -> tuple[str, ...]:
@@ -105,12 +107,13 @@ def local_stack(
     router_options: dict[str, Any] | None = None,
     startup_timeout_s: float = 180.0,
 ) -> Iterator[Stack]:
-    """Start ``profile`` (a built-in name or TOML file) for a replay: free ports, TTLs
-    compressed by ``time_scale``, simulator delays scaled by it too, the simulator's template
-    ``template`` unless the profile names one, and (``unverified``) a second router with vLLM's
-    example-proxy policy on the same engines. ``decoder_ttl_s`` replaces the profile's D TTL
-    (trace seconds, e.g. a long one for leases); ``router_options`` are more ``RouterConfig``
-    keys (real seconds)."""
+    """Start ``profile`` (a built-in name or TOML file) for a replay: free ports, TTLs (D's, the
+    router's, token identity's) compressed by ``time_scale``, simulator delays scaled by it too,
+    the simulator's template ``template`` unless the profile names one, and (``unverified``) a
+    second router with vLLM's example-proxy policy on the same engines. ``decoder_ttl_s``
+    replaces the profile's D TTL (trace seconds, e.g. a long one for leases);
+    ``router_options`` are more ``RouterConfig`` keys (real seconds)."""
+    from agentkv.router.config import RouterConfig
     from agentkv.serve import expand, load_profile
     from agentkv.serve.profiles import Profile
     from agentkv.serve.supervisor import Supervisor
@@ -128,6 +131,11 @@ def local_stack(
     if decode_prefix_caching is not None:
         data["decode"]["prefix_caching"] = decode_prefix_caching
     data["router"]["ttl_margin_s"] = margin
+    # token identity outlives the KV by its own TTL (trace seconds, compressed the same way)
+    options = data["router"].setdefault("options", {})
+    default = RouterConfig.model_fields["identity_ttl_s"].default
+    identity_ttl = options.get("identity_ttl_s", default)
+    options["identity_ttl_s"] = float(identity_ttl) * time_scale
     if router_options:
         data["router"]["options"] = {**data["router"].get("options", {}), **router_options}
     taken: set[int] = set()
@@ -177,4 +185,5 @@ def local_stack(
                 description=base.description,
                 kv_recompute_threshold=prof.kv_recompute_threshold,
                 prefill_prefix_caching=prof.prefill.prefix_caching,
+                identity_ttl_real_s=float(data["router"]["options"]["identity_ttl_s"]),
             )

@@ -195,6 +195,13 @@ class TurnRecord:
     generated_known: bool | None = None
     """Raw clients: the answer's generated ids were known for the ideal (its text, re-tokenized,
     has the answer's token count); False: they counted as unknown (matching nothing)."""
+    ideal_generated_tokens: int | None = None
+    """Raw clients: the ideal with every answer as generated, also those the client changed
+    (whose tool call a template that writes only text drops): no client can be given more than
+    ``ideal_tokens`` of it."""
+    shortfall_cause: str | None = None
+    """Why less than the ideal was read back (:func:`agentkv.bench.report.shortfall_cause`),
+    None when all was."""
 
     @property
     def useful_reuse(self) -> int:

@@ -11,14 +11,17 @@ same messages.
 
 **The ideal.** A raw client sees no token ids, so the driver measures apart from the client's
 traffic, after each session, with the server's ``/tokenize``: the prompt of the SDK's exact mode
-for the same history (:func:`~agentkv.bench.wire.shadow`: the answers as the model generated
-them, rendered by a template that writes messages as they are, as the replay's ChatML does),
-and what D held from the previous turn (that prompt + the generated ids, the answer's text
-re-tokenized: exact on the simulator, whose answers are tokenized text; where its count differs
-from the answer's, the ids count as unknown and match nothing). The ideal is then the SDK's rule
-on those ids, so a raw client reads back the ideal only where the router keeps the token
-identity the client cannot (an answer re-rendered without its tool call or empty think block is
-trimmed, cause ``drift``, until it does).
+for the same history (:func:`~agentkv.bench.wire.shadow`: each answer the client sent back
+unchanged as the model generated it, every other message, an answer the client changed
+included, as the client sent it, rendered by the replay's template), and what D held from the
+previous turn (that prompt + the generated ids, the answer's text re-tokenized: exact on the
+simulator, whose answers are tokenized text; where its count differs from the answer's, the ids
+count as unknown and match nothing). The ideal is then the SDK's rule on those ids, so a raw
+client reads back the ideal only where the router keeps the token identity the client cannot
+(an unchanged answer re-rendered without its tool call or empty think block is trimmed, cause
+``drift``, or leaves D holding less of the next prompt). ``ideal_generated_tokens`` is the same
+rule with the changed answers as generated too (their tool calls, which a template that writes
+only text drops): what no client can be given, reported apart.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from agentkv.bench.wire import (
     Turn,
     WireError,
     codec_for,
+    same_answer,
     shadow,
     sse_events,
     strip_reasoning,
@@ -75,6 +79,9 @@ class _Sent:
     record: TurnRecord
     history: list[Message]
     """The history the request carried."""
+    returned: list[Message | None]
+    """Per message of ``history``: the answer as the engine returned it, when the client sent
+    it back unchanged (:func:`~agentkv.bench.wire.same_answer`); None otherwise."""
     gen: list[int] | None
     """The generated ids (the answer's text re-tokenized), None when unknown."""
     completion_tokens: int
@@ -156,23 +163,35 @@ class RawClients:
                 return text, ids[:-1]
         return None, None
 
-    async def _prompt_ids(self, history: Sequence[Message]) -> list[int]:
+    async def _prompt_ids(
+        self, history: Sequence[Message], returned: Sequence[Message | None], changed: bool
+    ) -> list[int]:
         return await self._tokenize(
             {
-                "messages": shadow(history),
+                "messages": shadow(history, returned, changed_as_generated=changed),
                 "add_generation_prompt": True,
                 "chat_template_kwargs": dict(self.settings.chat_template_kwargs),
             }
         )
 
     async def _ideals(self, sent: Sequence[_Sent]) -> None:
-        """Fill each turn's prompt, held, common prefix and ideal on exact-mode ids."""
+        """Fill each turn's prompt, held, common prefix and ideal on exact-mode ids: every
+        answer the client sent back unchanged as generated, every other message as sent
+        (``ideal_tokens``); and with every answer as generated, changed ones too
+        (``ideal_generated_tokens``: more only where the template renders a changed answer
+        otherwise than the model wrote it, e.g. without its tool call)."""
         held: list[int] = []
+        held_all: list[int] = []
         unknown = -1
         for s in sent:
             rec = s.record
             try:
-                prompt = await self._prompt_ids(s.history)
+                prompt = await self._prompt_ids(s.history, s.returned, False)
+                changed = any(
+                    m.role == "assistant" and r is None
+                    for m, r in zip(s.history, s.returned, strict=True)
+                )
+                every = await self._prompt_ids(s.history, s.returned, True) if changed else prompt
             except (httpx.HTTPError, WireError, ValueError, KeyError) as exc:
                 rec.error = rec.error or f"ideal: {type(exc).__name__}: {exc}"[:300]
                 return
@@ -180,13 +199,16 @@ class RawClients:
                 ideal, lcp = ideal_tokens(prompt, held, self.settings.block_size)
                 rec.lcp_tokens, rec.reusable_tokens = lcp, ideal
                 rec.ideal_tokens = ideal if rec.within_ttl else 0
+                generated, _ = ideal_tokens(every, held_all, self.settings.block_size)
+                rec.ideal_generated_tokens = generated if rec.within_ttl else 0
             rec.held_tokens = len(held)
             if s.gen is not None:
-                held = prompt + s.gen
+                tail = s.gen
             else:
                 n = max(0, s.completion_tokens - 1)
-                held = prompt + list(range(unknown, unknown - n, -1))
+                tail = list(range(unknown, unknown - n, -1))
                 unknown -= n
+            held, held_all = prompt + tail, every + tail
 
     # -- one session ---------------------------------------------------------------------------
     async def run_session(
@@ -202,6 +224,8 @@ class RawClients:
         device = uuid.uuid4().hex
         tools = _tool_turns(script)
         history: list[Message] = []
+        returned: list[Message | None] = []
+        """Per message: the answer as the engine returned it while the client keeps it so."""
         sent: list[_Sent] = []
         records: list[TurnRecord] = []
         answered = time.perf_counter()
@@ -215,11 +239,16 @@ class RawClients:
             if turn.index and wait > 0:
                 await asyncio.sleep(wait)
             if turn.keep is not None:
-                history = history[: turn.keep]
+                history, returned = history[: turn.keep], returned[: turn.keep]
             elif turn.strip:
                 history = strip_reasoning(history)
+                returned = [
+                    r if r is not None and same_answer(r, m) else None
+                    for m, r in zip(history, returned, strict=True)
+                ]
             for m in turn.add:
                 history.append(_added(history, m.role, m.content))
+                returned.append(None)
             session = base_id if policy != "none" else f"{base_id}-t{turn.index}"
             sim: dict[str, Any] = dict(turn.sim_script)
             if turn.index in tools:
@@ -257,8 +286,9 @@ class RawClients:
             rec.retained_blocks = math.ceil(
                 max(0, rec.prompt_tokens + rec.output_tokens - 1) / settings.block_size
             )
-            sent.append(_Sent(rec, list(history), gen, answer.completion_tokens))
+            sent.append(_Sent(rec, list(history), list(returned), gen, answer.completion_tokens))
             history.append(replace(answer.message(), raw=text))
+            returned.append(history[-1])
             tool_wait = turn.trace.tool_call
             records.append(rec)
             on_turn(rec)

@@ -20,7 +20,11 @@ from agentkv.bench.replay import TurnRecord
 
 __all__ = [
     "KINDS",
+    "SHORTFALL_CAUSES",
+    "SHORTFALL_NOTE",
     "PolicySummary",
+    "shortfall_cause",
+    "shortfall_rows",
     "summarize",
     "write_csv",
     "write_json",
@@ -105,6 +109,11 @@ class PolicySummary:
     """Reused tokens as a share of all prompt tokens."""
     measured: dict[str, float] = field(default_factory=dict)
     """Simulator counters scraped around the run (real seconds)."""
+    shortfall: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Ideal tokens not read back, by cause (:data:`SHORTFALL_CAUSES`): ``turns``, ``tokens``."""
+    ideal_generated_tokens: int | None = None
+    """Raw clients: the ideal with every answer as generated, changed ones too (the part above
+    ``ideal_tokens`` no client can be given: see ``TurnRecord.ideal_generated_tokens``)."""
 
     @property
     def captured_pct(self) -> float | None:
@@ -135,6 +144,29 @@ class PolicySummary:
         return data
 
 
+SHORTFALL_CAUSES = ("expired", "wrong-kv", "trimmed", "held-short", "other")
+"""``expired``: the handle had expired though the trace's gap was within the TTL (the answer
+before came late on a loaded machine); ``wrong-kv``: KV of other tokens; ``trimmed``: the pull
+was cut below the ideal (``trim_cause``); ``held-short``: the router used all D held, and D
+held less of this prompt than the ideal (an earlier turn prompted otherwise than the ideal's
+ids); ``other``: a decision that read nothing back (recompute, ...)."""
+
+
+def shortfall_cause(rec: TurnRecord) -> str | None:
+    """Why ``rec`` read back less than its ideal (:data:`SHORTFALL_CAUSES`), or None."""
+    if rec.useful_reuse >= rec.ideal_tokens:
+        return None
+    if rec.decision in ("expired", "miss"):
+        return "expired"
+    if rec.wrong_kv_tokens:
+        return "wrong-kv"
+    if rec.trim_cause:
+        return "trimmed"
+    if rec.decision == "pull":
+        return "held-short"
+    return "other"
+
+
 def summarize(
     records: Iterable[TurnRecord], measured: Mapping[str, Mapping[str, float]] | None = None
 ) -> dict[str, PolicySummary]:
@@ -153,6 +185,13 @@ def summarize(
         s.decisions[r.decision] = s.decisions.get(r.decision, 0) + 1
         s.prompt_tokens += r.prompt_tokens
         s.ideal_tokens += r.ideal_tokens
+        if r.ideal_generated_tokens is not None:
+            s.ideal_generated_tokens = (s.ideal_generated_tokens or 0) + r.ideal_generated_tokens
+        cause = shortfall_cause(r)
+        if cause is not None:
+            lost = s.shortfall.setdefault(cause, {"turns": 0, "tokens": 0})
+            lost["turns"] += 1
+            lost["tokens"] += r.ideal_tokens - r.useful_reuse
         s.reusable_tokens += r.reusable_tokens
         if not r.within_ttl and r.turn > 0:
             s.beyond_ttl_tokens += r.lcp_tokens
@@ -202,6 +241,45 @@ def summarize(
         s.ttft_saved_pct = _pct(sum(model), base_total)
         s.wall_latency_saved_ms = statistics.fmean(wall) if wall else None
     return out
+
+
+SHORTFALL_NOTE = (
+    "Ideal tokens not read back correctly, by cause: tokens (turns; share of the ideal). "
+    "*expired*: the handle had expired though the trace's gap was within the TTL (the turn "
+    "before ended late on this machine); *trimmed*: the pull was cut below the ideal "
+    "(`trim_cause`); *held-short*: the whole handle was used, and D held less of this "
+    "prompt than the ideal (an earlier turn was prompted otherwise than the ideal's ids). "
+    "A raw client's ideal prompts every answer the client sent back unchanged as the model "
+    "generated it and every other message as sent; the last column is what it would add "
+    "with the answers the client changed as generated too (their tool calls, which the "
+    "template does not render): no client can be given those."
+)
+
+
+def shortfall_rows(summaries: Mapping[str, PolicySummary]) -> list[list[str]]:
+    """The shortfall table (header first; no rows when nothing fell short): the ideal tokens
+    not read back, by cause, and (raw clients) what the ideal would add with changed answers
+    as generated. The baseline (``none``) is left out."""
+    ran = [(p, s) for p, s in summaries.items() if p != "none"]
+    if not any(s.shortfall or s.ideal_generated_tokens is not None for _, s in ran):
+        return []
+    rows = [
+        ["policy", "ideal", *SHORTFALL_CAUSES, "changed answers as generated (not in the ideal)"]
+    ]
+    for policy, s in ran:
+        cells = [policy_name(policy), f"{s.ideal_tokens:,}"]
+        for cause in SHORTFALL_CAUSES:
+            lost = s.shortfall.get(cause)
+            share = _pct(lost["tokens"], s.ideal_tokens) if lost else None
+            cells.append(
+                "–"
+                if lost is None
+                else f"{lost['tokens']:,} ({lost['turns']}; {share or 0.0:.2f}%)"
+            )
+        extra = s.ideal_generated_tokens
+        cells.append("–" if extra is None else f"+{extra - s.ideal_tokens:,}")
+        rows.append(cells)
+    return rows
 
 
 def write_json(path: Path, data: Any) -> None:

@@ -28,8 +28,11 @@ from agentkv.bench.replay import (
     wait_drained,
 )
 from agentkv.bench.report import (
+    SHORTFALL_NOTE,
     PolicySummary,
     policy_name,
+    shortfall_cause,
+    shortfall_rows,
     summarize,
     write_csv,
     write_json,
@@ -128,14 +131,16 @@ def stack_settings(
     lease: LeaseParams | None = None,
     client: ClientName = "sdk",
 ) -> ReplaySettings:
-    """How to replay on a deployment from :func:`~agentkv.bench.deploy.local_stack`."""
+    """How to replay on a deployment from :func:`~agentkv.bench.deploy.local_stack` (a raw
+    client's token identity outlives D's KV: a longer gap must still land beyond it)."""
+    identity = stack.identity_ttl_real_s if client != "sdk" else 0.0
     return ReplaySettings(
         model=stack.model,
         block_size=stack.block_size,
         time_scale=stack.time_scale,
         router_ttl_s=stack.router_ttl_s,
         decoder_ttl_s=stack.decoder_ttl_s,
-        gap_cap_real_s=stack.decoder_ttl_real_s + 1,
+        gap_cap_real_s=max(stack.decoder_ttl_real_s, identity) + 1,
         concurrency=concurrency,
         honor_starts=honor_starts,
         lease=lease,
@@ -275,6 +280,8 @@ def run(
     ]
     started = datetime.now(timezone.utc)
     records, measured = asyncio.run(_run_all(scripts, run, progress))
+    for rec in records:
+        rec.shortfall_cause = shortfall_cause(rec)
     summaries = summarize(records, measured)
     info: dict[str, Any] = {
         "command": "agentkv " + shlex.join(sys.argv[1:]) if sys.argv else "",
@@ -401,6 +408,12 @@ def kind_rows(summaries: Mapping[str, PolicySummary]) -> list[list[str]]:
     return rows
 
 
+def shortfall_lines(summaries: Mapping[str, PolicySummary]) -> list[str]:
+    """The report's shortfall section (:func:`~agentkv.bench.report.shortfall_rows`)."""
+    rows = shortfall_rows(dict(_in_order(summaries)))
+    return ["## Shortfall by cause", "", _md_table(rows), "", SHORTFALL_NOTE, ""] if rows else []
+
+
 def render_markdown(
     meta: Mapping[str, Any], summaries: Mapping[str, PolicySummary], images: Sequence[str]
 ) -> str:
@@ -417,7 +430,7 @@ def render_markdown(
         f"{meta.get('selection', '')}",
         f"- token counts × {meta.get('token_scale')}; gaps × {settings.get('time_scale')} "
         f"(gaps longer than {_fmt(settings.get('gap_cap_real_s'), 1)} s real shortened to that: "
-        "the handle has expired either way); at most "
+        "the handle, and a raw client's token identity, has expired either way); at most "
         f"{settings.get('concurrency')} sessions at once",
         f"- router TTL {_fmt(settings.get('router_ttl_s'), 0)} s and D TTL "
         f"{_fmt(settings.get('decoder_ttl_s'), 0)} s in trace time"
@@ -453,6 +466,7 @@ def render_markdown(
         _md_table(kind_rows(summaries)),
         "",
     ]
+    lines += shortfall_lines(summaries)
     measured = {p: s.measured for p, s in summaries.items() if s.measured}
     if measured:
         lines += [

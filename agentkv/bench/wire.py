@@ -52,6 +52,7 @@ __all__ = [
     "WireError",
     "codec_for",
     "raw_text",
+    "same_answer",
     "shadow",
     "sse_events",
     "strip_reasoning",
@@ -160,14 +161,54 @@ def strip_reasoning(history: Sequence[Message]) -> list[Message]:
     return out
 
 
-def shadow(history: Sequence[Message]) -> list[dict[str, str]]:
-    """The history as chat messages whose answers are the text the model generated: rendered
-    with a template that writes messages as they are (the replay's ChatML), the prompt of
-    the SDK's exact mode (previous prompt + generated ids + the new messages)."""
-    out = []
-    for m in history:
-        text = m.raw if m.role == "assistant" and m.raw is not None else m.text
-        out.append({"role": m.role, "content": text})
+def same_answer(a: Message, b: Message) -> bool:
+    """Whether two assistant messages say the same: text, tool calls and reasoning (an empty
+    thinking block is no reasoning, as for the router's digest). A client that sends back an
+    answer the same as the engine returned it can be prompted with the answer's generated ids;
+    one it changed (reasoning stripped, an edit) must be rendered as it sent it."""
+    return (
+        a.role == b.role
+        and a.text == b.text
+        and a.calls == b.calls
+        and (a.reasoning or "") == (b.reasoning or "")
+    )
+
+
+def shadow(
+    history: Sequence[Message],
+    returned: Sequence[Message | None] | None = None,
+    *,
+    changed_as_generated: bool = False,
+) -> list[dict[str, Any]]:
+    """The history as chat messages for the replay's ideal (the prompt of the SDK's exact mode),
+    rendered by a template that writes messages as they are (the replay's ChatML): each answer
+    the client sent back unchanged is the text the model generated (``returned[i]``, the
+    message as the engine returned it, ``raw`` included; every answer when ``returned`` is
+    None); an answer the client changed is what it sent (its text and tool calls: the template
+    renders what it renders of them), or with ``changed_as_generated`` the text the model
+    generated less what the client cut out (its reasoning), tool calls as generated; every
+    other message as the client sent it."""
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(history):
+        kept = m if returned is None else returned[i]
+        if m.role == "assistant" and kept is not None and kept.raw is not None:
+            out.append({"role": "assistant", "content": kept.raw})
+        elif m.role == "assistant" and changed_as_generated and m.raw is not None:
+            out.append({"role": "assistant", "content": m.raw})
+        elif m.role == "assistant" and m.calls and returned is not None:
+            calls = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                }
+                for c in m.calls
+            ]
+            out.append({"role": "assistant", "content": m.text, "tool_calls": calls})
+        elif m.role == "tool":
+            out.append({"role": "tool", "content": m.text, "tool_call_id": m.call_id or ""})
+        else:
+            out.append({"role": m.role, "content": m.text})
     return out
 
 

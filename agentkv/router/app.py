@@ -38,7 +38,7 @@ from agentkv.router.config import RouterConfig
 from agentkv.router.errors import router_error_handling
 from agentkv.router.guard import GuardedStore
 from agentkv.router.http import ClientFactory, TransportError
-from agentkv.router.identity import Identity, RedisLedger
+from agentkv.router.identity import Identity, IdentityLedger, MemoryLedger, RedisLedger
 from agentkv.router.kv_index import KVEventSubscriber, PrefixIndex
 from agentkv.router.leases import MemoryLeases, RedisLeases
 from agentkv.router.logs import safe
@@ -57,7 +57,7 @@ from agentkv.router.responses import ResponsesAPI
 from agentkv.router.responses_store import MemoryResponses, RedisResponses, ResponseStore
 from agentkv.router.retention import LeasesUnavailable
 from agentkv.router.server import HeadLimits, bounded_protocol
-from agentkv.router.store import Bound, HandleStore, make_store
+from agentkv.router.store import Bound, HandleStore, MemoryStore, make_store
 from agentkv.router.tenancy import Tenancy
 from agentkv.router.tracing import extracted
 from agentkv.router.upstream import EnginePool
@@ -115,20 +115,27 @@ def create_app(
         if isinstance(inner, RedisStore)
         else MemoryLeases()
     )
-    identity = (
-        Identity(
-            RedisLedger(
-                inner.client,
-                prefix=inner.prefix,
-                per_conversation=config.identity_max_tokens_per_conversation,
-                branches=config.handles_per_conversation,
-                ttl_s=config.router_ttl_s,
-            ),
-            enabled=config.keep_token_identity,
-            on_error=lambda op: metrics.store_errors.labels(op).inc(),
+    ledger: IdentityLedger = (
+        RedisLedger(
+            inner.client,
+            prefix=inner.prefix,
+            per_conversation=config.identity_max_tokens_per_conversation,
+            branches=config.handles_per_conversation,
+            ttl_s=config.identity_keep_s,
         )
         if isinstance(inner, RedisStore)
-        else None  # the router's own memory ledger
+        else MemoryLedger(
+            max_tokens=config.identity_max_tokens,
+            per_conversation=config.identity_max_tokens_per_conversation,
+            branches=config.handles_per_conversation,
+            ttl_s=config.identity_keep_s,
+            clock=inner.clock if isinstance(inner, MemoryStore) else time.monotonic,
+        )
+    )
+    identity = Identity(
+        ledger,
+        enabled=config.keep_token_identity,
+        on_error=lambda op: metrics.store_errors.labels(op).inc(),
     )
     indexes, subscribers = kv_event_indexes(config)
     router = Router(

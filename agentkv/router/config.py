@@ -256,7 +256,16 @@ class RouterConfig(BaseModel):
     ``handles_per_conversation`` of them); a longer turn is not kept (the next is rendered)."""
     identity_max_tokens: int = Field(16_777_216, ge=1)
     """Token ids kept in all by the memory ledger (4 bytes each; least recently used
-    conversations go first). With a Redis store the entries live in Redis, with the router TTL."""
+    conversations go first). With a Redis store the entries live in Redis."""
+    identity_ttl_s: float = Field(3_600.0, gt=0)
+    """How long a conversation's token identity is kept after its last turn (never shorter than
+    the router TTL). It does not depend on D's KV: a turn after a longer pause than the router
+    TTL is recomputed, but still prompts with the answers' generated ids where the client sent
+    them back unchanged, so its history stays what the model generated (as the SDK's exact
+    mode keeps it) instead of a re-rendering (tool calls re-serialized, think blocks dropped)
+    that every later turn of the conversation would carry. Memory: ``identity_max_tokens``
+    bounds the memory ledger; with Redis each conversation's entry (at most
+    ``identity_max_tokens_per_conversation`` ids) lives this long."""
 
     @field_validator("path_costs")
     @classmethod
@@ -287,6 +296,11 @@ class RouterConfig(BaseModel):
     @property
     def router_ttl_s(self) -> float:
         return self.decoder_kv_blocks_ttl_s - self.ttl_margin_s
+
+    @property
+    def identity_keep_s(self) -> float:
+        """How long token identity is kept: ``identity_ttl_s``, at least the router TTL."""
+        return max(self.identity_ttl_s, self.router_ttl_s)
 
     @model_validator(mode="after")
     def _check(self) -> RouterConfig:

@@ -29,9 +29,11 @@ avoids this in exact mode; the router does the same for every client:
 
 The receipt says which (:data:`~agentkv.protocol.HEADER_IDENTITY`: ``kept``, ``kept-prefix`` or
 ``rendered:<reason>``, :data:`REASONS`). Entries are bounded (tokens per conversation, and in
-memory tokens in all, least recently used first; :data:`MAX_MARKS` marks each), expire with the
-router TTL, are dropped when the conversation is closed, and with a Redis store live in the same
-Redis so replicas share them.
+memory tokens in all, least recently used first; :data:`MAX_MARKS` marks each), expire
+``identity_ttl_s`` after the conversation's last turn (never before the router TTL: they outlive
+D's KV, so a turn after a long pause is recomputed but keeps the answers' ids), are dropped when
+the conversation is closed, and with a Redis store live in the same Redis so replicas share
+them.
 """
 
 from __future__ import annotations

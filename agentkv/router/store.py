@@ -368,7 +368,8 @@ class MemoryStore:
         self._max_entries = max_entries
         self._per_tenant = max_entries_per_tenant or max_entries
         self._per_conversation = per_conversation
-        self._clock = clock
+        self.clock = clock
+        """The store's monotonic clock (token identity ages on it too)."""
         self._on_evict = on_evict
         # conversation -> its handles, oldest first; per tenant, its conversations in LRU order
         self._convs: dict[StoreKey, OrderedDict[str, _Entry]] = {}
@@ -388,7 +389,7 @@ class MemoryStore:
         self, key: StoreKey, handle: StoredHandle, ttl_s: float, *, age_s: float = 0.0
     ) -> list[StoredHandle]:
         check_ttl(ttl_s)
-        now = self._clock()
+        now = self.clock()
         self._purge(now)
         stored_at = now - max(0.0, age_s)
         if stored_at + ttl_s <= now:
@@ -419,7 +420,7 @@ class MemoryStore:
         return displaced
 
     async def candidates(self, key: StoreKey) -> list[Taken]:
-        now = self._clock()
+        now = self.clock()
         conv = self._convs.get(key)
         if not conv:
             return []
@@ -430,7 +431,7 @@ class MemoryStore:
         ]
 
     async def take(self, key: StoreKey, handle_id: str | None = None) -> Taken | None:
-        now = self._clock()
+        now = self.clock()
         conv = self._convs.get(key)
         if not conv:
             return None
@@ -445,7 +446,7 @@ class MemoryStore:
         return Taken(entry.handle, age_s=max(0.0, now - entry.stored_at))
 
     async def delete(self, key: StoreKey) -> list[StoredHandle]:
-        now = self._clock()
+        now = self.clock()
         conv = self._convs.get(key)
         out: list[StoredHandle] = []
         for handle_id in list(conv or ()):
@@ -455,7 +456,7 @@ class MemoryStore:
         return out
 
     async def drop_decode(self, decode_url: str, *, except_engine_id: str | None = None) -> int:
-        now = self._clock()
+        now = self.clock()
         dropped = 0
         for key, handle_id in list(self._by_decode.get(decode_url, ())):
             conv = self._convs.get(key)
@@ -468,7 +469,7 @@ class MemoryStore:
         return dropped
 
     async def take_oldest(self, decode_url: str, fraction: float) -> list[StoredHandle]:
-        now = self._clock()
+        now = self.clock()
         self._purge(now)
         slots = sorted(
             self._by_decode.get(decode_url, ()),
@@ -482,7 +483,7 @@ class MemoryStore:
         return out
 
     async def size(self) -> int:
-        self._purge(self._clock())
+        self._purge(self.clock())
         return self._count
 
     async def aclose(self) -> None:

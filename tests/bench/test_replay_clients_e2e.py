@@ -196,6 +196,22 @@ def test_raw_client_replays_the_small_trace(
         # shorter than the exact-mode ideal after a rewrite
         if r["reused_tokens"] < r["ideal_tokens"]:
             assert r["trim_cause"] == "drift" or r["identity"] in ("kept", "kept-prefix"), r
+    # token identity outlives the KV (identity_ttl_s): the turn after the pause past the
+    # router's TTL is recomputed but keeps the answers' ids
+    assert [r["identity"] for r in rows if r["decision"] == "expired"] == [
+        "kept"
+    ] * decisions.count("expired"), rows
+    # the ideal prompts the answers the client changed as it sent them; a kept turn whose handle
+    # was wholly used falls short of it only after a turn the router rendered whole (its record
+    # gone past the TTL, or a rewrite that kept no recorded answer)
+    generated = [r["ideal_generated_tokens"] for r in rows if r["turn"] > 0]
+    assert sum(generated) >= sum(r["ideal_tokens"] for r in rows), rows
+    for r in rows:
+        if r["shortfall_cause"] == "held-short":
+            before = [b for b in rows if b["session"] == r["session"] and b["turn"] < r["turn"]]
+            assert any(
+                (b["identity"] or "").startswith("rendered:") and b["turn"] > 0 for b in before
+            ), r
     # the previous answer's tool call is in what D held (and in the ideal), not in the SDK's
     for raw, sdk in zip(rows, sdk_rows, strict=True):
         if raw["kind"] == "append":
