@@ -366,7 +366,7 @@ def evaluate_with_cpu(
     occupancy's ratio are left at 0 for the caller)."""
     if len(coverage.tokens) != len(steps):
         raise ValueError("the coverage is not of these steps")
-    reusable = lost = cpu_lost = loads = loaded = 0
+    reusable = lost = cpu_lost = loads = loaded = over = 0
     block_s = load_s = saved_s = 0.0
     for st, held in zip(steps, coverage.tokens, strict=True):
         hold = rule(st)
@@ -378,6 +378,7 @@ def evaluate_with_cpu(
             continue
         served = min(r, held)
         if served and max_new_tokens and st.prompt_tokens - served > max_new_tokens:
+            over += served
             served = 0  # too many new tokens to prefill on D: the turn goes to P
         if served:
             loads += 1
@@ -401,6 +402,7 @@ def evaluate_with_cpu(
         cpu_tier_blocks=coverage.spec.capacity_blocks,
         cpu_loads=loads,
         cpu_loaded_tokens=loaded,
+        cpu_over_budget_tokens=over,
         cpu_load_s=load_s,
         cpu_prefill_s_saved=saved_s,
         cpu_occupancy_block_seconds=coverage.occupancy_block_s,

@@ -121,6 +121,8 @@ class RetentionRow:
     cpu_loads: int = 0
     """Turns whose GPU copy lapsed and that loaded their prefix from the tier."""
     cpu_loaded_tokens: int = 0
+    cpu_over_budget_tokens: int = 0
+    """Lost tokens the tier held, of turns with more new tokens than D prefills (sent to P)."""
     cpu_load_s: float = 0.0
     """The loads' time (their TTFT cost), summed."""
     cpu_prefill_s_saved: float = 0.0

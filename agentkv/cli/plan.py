@@ -174,6 +174,7 @@ def _print_cpu_tiers(rows: list[Any], tiers: list[dict[str, Any]]) -> None:
     table = [
         [
             "policy",
+            "CPU blocks",
             "reusable lost",
             "GPU vs fixed-450",
             "CPU vs fixed-450",
@@ -182,12 +183,14 @@ def _print_cpu_tiers(rows: list[Any], tiers: list[dict[str, Any]]) -> None:
             "load s",
             "ms a load",
             "prefill s saved",
+            "over D's budget",
         ]
     ]
     for r in (r for r in rows if r.cpu_tier_blocks and not r.policy.startswith("lease-ui")):
         table.append(
             [
-                r.policy,
+                r.policy.split("+")[0],
+                f"{r.cpu_tier_blocks:,}",
                 f"{100 * r.lost_fraction:.2f}%",
                 f"{r.block_seconds_vs_fixed_450:.2f}",
                 f"{r.cpu_occupancy_vs_fixed_450:.2f}",
@@ -196,6 +199,7 @@ def _print_cpu_tiers(rows: list[Any], tiers: list[dict[str, Any]]) -> None:
                 f"{r.cpu_load_s:,.1f}",
                 f"{1000 * r.cpu_load_s / r.cpu_loads if r.cpu_loads else 0:.0f}",
                 f"{r.cpu_prefill_s_saved:,.1f}",
+                f"{100 * r.cpu_over_budget_tokens / max(1, r.reusable_tokens):.2f}%",
             ]
         )
     print_rows(table, "retention with D's CPU tier: reusable lost, GPU and CPU block-seconds")

@@ -171,7 +171,8 @@ def test_accounting_a_load_once_and_failed_saves_lost():
     # within the GPU hold nothing is loaded; too many new tokens for D: P recomputes
     assert row(CpuTierSpec(10, concurrency=1), rule_ttl=450).cpu_loads == 0
     over = row(CpuTierSpec(10, concurrency=1), max_new=47)
-    assert (over.lost_tokens, over.cpu_loads) == (80, 0)
+    assert (over.lost_tokens, over.cpu_loads, over.cpu_over_budget_tokens) == (80, 0, 80)
+    assert partial.cpu_over_budget_tokens == 0
     assert row(CpuTierSpec(10, concurrency=1), max_new=48).cpu_loads == 1
     # GPU block-seconds are the policy's: 5 blocks x 60 s, and the last turn's 8 and B's 8
     assert partial.block_seconds == 5 * 60 + (8 + 8) * 60
