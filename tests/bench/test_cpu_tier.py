@@ -21,6 +21,7 @@ from agentkv.bench.cpu_tier import (
 from agentkv.bench.plan import steps_of
 from agentkv.bench.retention import (
     LeaseParams,
+    RetentionRow,
     evaluate_holds,
     fixed_hold,
     lease_hold,
@@ -70,7 +71,7 @@ def _keys(pieces: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_runs_match_a_block_by_block_lru(seed: int):
+def test_runs_match_a_block_by_block_lru(seed: int) -> None:
     rng = random.Random(seed)
     capacity = rng.choice([7, 20, 45])
     fast, ref = RunLru(capacity), BlockLru(capacity)
@@ -96,7 +97,7 @@ def test_runs_match_a_block_by_block_lru(seed: int):
         assert fast.size == len(ref.blocks) <= capacity
 
 
-def test_failed_stores_leave_holes_that_the_next_save_retries():
+def test_failed_stores_leave_holes_that_the_next_save_retries() -> None:
     tier = RunLru(1000, failure_rate=0.5, seed=3)
     chain = [(1, 0, 200)]
     tier.save(chain)
@@ -125,7 +126,7 @@ def _two_sessions() -> list[Session]:
     ]
 
 
-def test_lru_evicts_a_conversations_tail_first():
+def test_lru_evicts_a_conversations_tail_first() -> None:
     sessions = _two_sessions()
     # both in flight: B's 8 blocks (t = 1 s) evict A's last 3 of 5; A's prefix of 2 is left
     both = cpu_coverage(sessions, CpuTierSpec(10, concurrency=2))
@@ -138,13 +139,13 @@ def test_lru_evicts_a_conversations_tail_first():
     assert both.occupancy_block_s == pytest.approx(10 * 101)
 
 
-def test_accounting_a_load_once_and_failed_saves_lost():
+def test_accounting_a_load_once_and_failed_saves_lost() -> None:
     sessions = _two_sessions()
     steps, tails = steps_of(sessions)
     (step,) = steps
     assert (step.reusable_tokens, step.prompt_tokens) == (80, 128)
 
-    def row(spec: CpuTierSpec, rule_ttl: float = 60, max_new: int = 2048):  # type: ignore[no-untyped-def]
+    def row(spec: CpuTierSpec, rule_ttl: float = 60, max_new: int = 2048) -> RetentionRow:
         coverage = cpu_coverage(sessions, spec)
         return evaluate_with_cpu(
             steps,
@@ -178,7 +179,7 @@ def test_accounting_a_load_once_and_failed_saves_lost():
     assert partial.block_seconds == 5 * 60 + (8 + 8) * 60
 
 
-def test_an_empty_tier_changes_nothing():
+def test_an_empty_tier_changes_nothing() -> None:
     sessions = _two_sessions()
     steps, tails = steps_of(sessions)
     empty = cpu_coverage(sessions, CpuTierSpec(1, failure_rate=1.0))
@@ -191,7 +192,7 @@ def test_an_empty_tier_changes_nothing():
         assert cpu.cpu_tier_fraction == base.cpu_tier_fraction
 
 
-def test_table_and_best_on_the_real_trace():
+def test_table_and_best_on_the_real_trace() -> None:
     from agentkv.bench.traces import load_trace
 
     sessions = load_trace(need(CLAUDE_CODE), limit=3)
@@ -220,7 +221,7 @@ def test_table_and_best_on_the_real_trace():
     assert best_with_cpu(rows, 65536, max_vs_fixed_450=0.0) is None
 
 
-def test_plan_cpu_tier_cli(tmp_path: Path):
+def test_plan_cpu_tier_cli(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
     from agentkv.cli import app
