@@ -41,6 +41,8 @@ class PlanReport:
     """:func:`agentkv.bench.retention.retention_report`'s rows, when policies were asked for."""
     data: dict[str, Any] = field(default_factory=dict)
     """What ``plan.json`` / ``--json`` holds."""
+    cpu_tiers: list[dict[str, Any]] = field(default_factory=list)
+    """Each CPU tier's run (``retention_cpu_tiers``), when capacities were asked for."""
 
     def title(self) -> str:
         st = self.plan.stats
@@ -134,9 +136,15 @@ def plan_trace(
     retention: Sequence[str] = (),
     retention_ttls: Sequence[float] = (),
     lease: tuple[float, float, float] = (300.0, 30.0, 1800.0),
+    cpu_tiers: Sequence[int] = (),
+    cpu_save_failure_rate: float = 0.0,
+    concurrency: int = 8,
+    cpu_max_new_tokens: int = 2048,
 ) -> PlanReport:
     """Load the trace and plan it; ``retention`` names the policy families to compare
-    (``lease``: ``(ui_idle_s, lease_s, max_hold_s)``). Raises TraceError, OSError, ValueError."""
+    (``lease``: ``(ui_idle_s, lease_s, max_hold_s)``), ``cpu_tiers`` the capacities (blocks) of
+    D's CPU tier to put behind its fixed and lease policies (:mod:`agentkv.bench.cpu_tier`).
+    Raises TraceError, OSError, ValueError."""
     from agentkv.bench.retention import (
         ASSUMPTIONS,
         LeaseParams,
@@ -156,6 +164,43 @@ def plan_trace(
             block_size=block_size,
             horizon_s=offload_horizon_s,
         )
+    tiers: list[dict[str, Any]] = []
+    if retention and cpu_tiers:
+        from agentkv.bench.cpu_tier import CpuTierSpec, cpu_tier_table, load_s_per_token
+
+        specs = [CpuTierSpec(c, cpu_save_failure_rate, concurrency) for c in cpu_tiers]
+        with_cpu, runs = cpu_tier_table(
+            loaded,
+            list(retention),
+            specs,
+            cost=cost,
+            fixed_ttls=list(retention_ttls),
+            lease=LeaseParams(*lease),
+            block_size=block_size,
+            horizon_s=offload_horizon_s,
+            max_new_tokens=cpu_max_new_tokens,
+        )
+        retained += with_cpu
+        gib = cost.kv_bytes_per_token * block_size / 2**30
+        fixed_450 = _fixed_450_block_s(loaded, block_size)
+        tiers = [
+            {
+                "cpu_tier_blocks": run.spec.capacity_blocks,
+                "cpu_tier_gib": run.spec.capacity_blocks * gib,
+                "cpu_save_failure_rate": run.spec.failure_rate,
+                "concurrency": run.spec.concurrency,
+                "cpu_max_new_tokens": cpu_max_new_tokens,
+                "load_s_per_token": load_s_per_token(cost),
+                "clock_hours": run.duration_s / 3600,
+                "mean_cpu_blocks": run.occupancy_block_s / run.duration_s if run.duration_s else 0,
+                "mean_gpu_blocks_fixed_450": fixed_450 / run.duration_s if run.duration_s else 0,
+                "stored_blocks": run.stored,
+                "failed_blocks": run.failed,
+                "evicted_blocks": run.evicted,
+                "unstored_blocks": run.unstored,
+            }
+            for run in runs
+        ]
     result = make_plan(
         loaded,
         cost,
@@ -173,7 +218,19 @@ def plan_trace(
         data["retention"] = [r.to_dict() for r in retained]
         data["retention_assumptions"] = ASSUMPTIONS
         data["retention_waits"] = wait_stats(loaded, block_size)
-    return PlanReport(result, source, retained, data)
+    if tiers:
+        data["retention_cpu_tiers"] = tiers
+    return PlanReport(result, source, retained, data, tiers)
+
+
+def _fixed_450_block_s(sessions: Sequence[Any], block_size: int) -> float:
+    from agentkv.bench.plan import steps_of
+    from agentkv.bench.retention import BASELINE, evaluate_holds, fixed_hold
+
+    steps, tails = steps_of(sessions, block_size)
+    return evaluate_holds(
+        steps, tails, fixed_hold(BASELINE), tail_hold_s=BASELINE, block_size=block_size
+    ).block_seconds
 
 
 def write_plan(

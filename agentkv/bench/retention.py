@@ -67,6 +67,7 @@ __all__ = [
     "lease_name",
     "oracle_budget",
     "oracle_hold",
+    "policy_rules",
     "retention_report",
     "retention_table",
     "sweep_grid",
@@ -114,6 +115,21 @@ class RetentionRow:
     """Reusable tokens lost on turns that come back within the CPU tier's horizon."""
     cpu_tier_block_seconds: float = 0.0
     params: dict[str, float] = field(default_factory=dict)
+    cpu_tier_blocks: int = 0
+    """With D's CPU tier behind the policy (:mod:`agentkv.bench.cpu_tier`): its capacity in
+    blocks; 0: no tier (the fields below stay 0)."""
+    cpu_loads: int = 0
+    """Turns whose GPU copy lapsed and that loaded their prefix from the tier."""
+    cpu_loaded_tokens: int = 0
+    cpu_over_budget_tokens: int = 0
+    """Lost tokens the tier held, of turns with more new tokens than D prefills (sent to P)."""
+    cpu_load_s: float = 0.0
+    """The loads' time (their TTFT cost), summed."""
+    cpu_prefill_s_saved: float = 0.0
+    """The prefill those loads replace, summed."""
+    cpu_occupancy_block_seconds: float = 0.0
+    """CPU memory: blocks the tier holds x seconds, on the composed clock."""
+    cpu_occupancy_vs_fixed_450: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -228,7 +244,7 @@ def lease_name(p: LeaseParams) -> str:
     return f"lease-ui{p.ui_idle_s:g}-l{p.lease_s:g}-h{p.max_hold_s:g}"
 
 
-def _policies(
+def policy_rules(
     families: Sequence[str],
     fixed_ttls: Sequence[float],
     lease: LeaseParams,
@@ -276,7 +292,7 @@ def retention_table(
         steps, tails, fixed_hold(BASELINE), tail_hold_s=BASELINE, block_size=block_size
     ).block_seconds
     rows: list[RetentionRow] = []
-    for name, rule, tail_s, extra in _policies(families, fixed_ttls, params):
+    for name, rule, tail_s, extra in policy_rules(families, fixed_ttls, params):
         row = evaluate_holds(
             steps, tails, rule, tail_hold_s=tail_s, block_size=block_size, horizon_s=horizon_s
         )
@@ -314,11 +330,14 @@ def retention_report(
 
 
 def best_lease(rows: Sequence[RetentionRow], max_vs_fixed_450: float = 1.0) -> RetentionRow | None:
-    """The lease row that loses least within ``max_vs_fixed_450`` of fixed-450's block-seconds."""
+    """The lease row that loses least within ``max_vs_fixed_450`` of fixed-450's block-seconds
+    (without a CPU tier)."""
     fits = [
         r
         for r in rows
-        if r.policy.startswith("lease") and r.block_seconds_vs_fixed_450 <= max_vs_fixed_450
+        if r.policy.startswith("lease")
+        and not r.cpu_tier_blocks
+        and r.block_seconds_vs_fixed_450 <= max_vs_fixed_450
     ]
     return min(fits, key=lambda r: (r.lost_fraction, r.block_seconds), default=None)
 
@@ -326,7 +345,7 @@ def best_lease(rows: Sequence[RetentionRow], max_vs_fixed_450: float = 1.0) -> R
 def sweep_grid(rows: Sequence[RetentionRow]) -> list[list[str]]:
     """The lease sweep as a grid: one line per (D's TTL, lease), one column per UI idle
     timeout, each cell ``lost % / block-seconds vs fixed-450``; empty without a sweep."""
-    sweep = [r for r in rows if r.policy.startswith("lease-ui")]
+    sweep = [r for r in rows if r.policy.startswith("lease-ui") and not r.cpu_tier_blocks]
     if not sweep:
         return []
     uis = sorted({r.params["ui_idle_s"] for r in sweep})
