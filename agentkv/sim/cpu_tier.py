@@ -10,7 +10,10 @@ default ``lru`` policy, one block per chunk:
 * a save is best effort: in vLLM ``prepare_store`` returns ``None`` and the scheduler skips the
   store when it cannot evict; here each new block's save fails with ``failure_rate`` (seeded),
   and a failed block is simply not in the tier;
-* a load touches the blocks it reads.
+* a load touches the blocks it reads;
+* a touch runs from a sequence's last block to its first (vLLM's ``LRUOffloadingManager.touch``
+  walks ``reversed(block_hashes)``), so the first blocks are the most recently used and
+  eviction eats a sequence's tail: what stays is still a usable prefix.
 """
 
 from __future__ import annotations
@@ -62,9 +65,14 @@ class CpuTier:
             content = self._blocks.get(h)
             if content is None:
                 break
-            self._blocks.move_to_end(h)
             found.append(content)
+        self._touch(hashes[: len(found)])
         return found
+
+    def _touch(self, hashes: Sequence[bytes]) -> None:
+        for h in reversed(hashes):
+            if h in self._blocks:
+                self._blocks.move_to_end(h)
 
     def save(self, hashes: Sequence[bytes], contents: Sequence[KVContent | None]) -> SaveResult:
         """Offer full blocks ``hashes[i]`` holding ``contents[i]`` (a block without content, or
@@ -74,7 +82,6 @@ class CpuTier:
             if content is None:
                 continue
             if h in self._blocks:
-                self._blocks.move_to_end(h)
                 continue
             if self.failure_rate and self._rng.random() < self.failure_rate:
                 failed += 1
@@ -84,6 +91,7 @@ class CpuTier:
                 evicted += 1
             self._blocks[h] = content
             saved += 1
+        self._touch(hashes)
         return SaveResult(saved, failed, evicted)
 
     def clear(self) -> None:
