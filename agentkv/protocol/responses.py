@@ -12,9 +12,8 @@ and the simulator serve the API exactly as vLLM would:
   (``entrypoints/openai/responses/protocol.py``) and ``get_function_tools``
   (``tool_parsers/utils.py``: namespace tools flattened to ``<namespace>__<name>``, custom tools
   shown as a one-string function).
-- :func:`chat_to_response`: a Chat Completions answer as a ``response`` object
-  (``build_response_output_items`` in ``responses/utils.py``, ``ResponsesResponse.from_request``
-  and the usage of ``responses_full_generator`` in ``responses/serving.py``).
+- :func:`~agentkv.protocol.responses_output.chat_to_response` (its own module): a Chat
+  Completions answer as a ``response`` object.
 - :class:`~agentkv.protocol.responses_stream.ResponsesEncoder` (its own module): the same for a
   streamed answer, event by event.
 
@@ -39,16 +38,19 @@ from __future__ import annotations
 
 import json
 import re
-import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from agentkv.protocol.errors import APIError
+from agentkv.protocol.responses_tools import (
+    CUSTOM_TOOL_INPUT_KEY,
+    NAMESPACE_SEPARATOR,
+    tool_choice,
+    tools_of,
+)
 
 __all__ = [
-    "chat_to_response",
     "history_items",
     "input_items",
     "last_response_of",
@@ -58,21 +60,6 @@ __all__ = [
     "responses_to_chat",
 ]
 
-NAMESPACE_SEPARATOR = "__"
-"""vLLM's ``_NAMESPACE_TOOL_SEPARATOR``: a namespace's functions are ``<namespace>__<name>``."""
-CUSTOM_TOOL_INPUT_KEY = "input"
-"""The one parameter of the function a ``custom`` tool is shown as (vLLM's name)."""
-_CUSTOM_TOOL_PARAMETERS: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        CUSTOM_TOOL_INPUT_KEY: {
-            "type": "string",
-            "description": "The freeform text payload for this tool.",
-        }
-    },
-    "required": [CUSTOM_TOOL_INPUT_KEY],
-    "additionalProperties": False,
-}
 _INCLUDE = frozenset(
     {
         "code_interpreter_call.outputs",
@@ -161,136 +148,6 @@ def not_found_error(response_id: str, *, previous: bool = True) -> APIError:
         type="invalid_request_error",
         param="previous_response_id" if previous else "response_id",
         code="previous_response_not_found" if previous else "not_found",
-    )
-
-
-# -- tools ------------------------------------------------------------------------------------
-@dataclass
-class Tools:
-    """A request's tools as the model sees them, and the way back from a call's name."""
-
-    chat: list[dict[str, Any]] = field(default_factory=list)
-    namespaced: dict[str, tuple[str, str]] = field(default_factory=dict)
-    """Flat name -> (namespace, name)."""
-    custom: set[str] = field(default_factory=set)
-    names: set[str] = field(default_factory=set)
-    """Every name the model can call (flat)."""
-
-    def resolve(self, name: str) -> tuple[str, str | None]:
-        """A called flat name as (name, namespace) (vLLM ``resolve_responses_tool_call_name``)."""
-        if name in self.namespaced:
-            namespace, local = self.namespaced[name]
-            return local, namespace
-        return name, None
-
-
-def _function(name: Any, tool: Mapping[str, Any], param: str) -> dict[str, Any]:
-    if not isinstance(name, str) or not name:
-        raise APIError(400, "A function tool needs a `name` (a string).", param=param)
-    fn: dict[str, Any] = {"name": name}
-    for key in ("description", "parameters", "strict"):
-        if tool.get(key) is not None:
-            fn[key] = tool[key]
-    return {"type": "function", "function": fn}
-
-
-def tools_of(raw: Any) -> Tools:
-    """vLLM ``get_function_tools``: function tools as they are, namespace functions flattened,
-    custom tools as a one-string function; other (built-in) tool types dropped."""
-    out = Tools()
-    if raw is None:
-        return out
-    if not isinstance(raw, list):
-        raise APIError(400, "`tools` must be a list.", param="tools")
-    for i, tool in enumerate(raw):
-        if not isinstance(tool, dict):
-            raise APIError(400, "Each tool must be an object.", param=f"tools[{i}]")
-        kind = tool.get("type")
-        if kind == "function":
-            out.chat.append(_function(tool.get("name"), tool, f"tools[{i}]"))
-        elif kind == "namespace":
-            namespace = tool.get("name")
-            inner = tool.get("tools")
-            if not isinstance(namespace, str) or not isinstance(inner, list):
-                raise APIError(
-                    400,
-                    "A namespace tool needs a `name` and a list of `tools`.",
-                    param=f"tools[{i}]",
-                )
-            for j, sub in enumerate(inner):
-                if not isinstance(sub, dict) or sub.get("type") != "function":
-                    continue
-                local = sub.get("name")
-                flat = f"{namespace}{NAMESPACE_SEPARATOR}{local}"
-                out.chat.append(_function(flat, sub, f"tools[{i}].tools[{j}]"))
-                out.namespaced[flat] = (namespace, str(local))
-        elif kind == "custom":
-            fmt = tool.get("format")
-            if isinstance(fmt, dict) and fmt.get("type") == "grammar":
-                raise APIError(
-                    400,
-                    "Custom tools with a grammar format are not supported; only free-form text "
-                    "custom tools are accepted.",
-                    param="tools",
-                )
-            shim = {"description": tool.get("description"), "parameters": _CUSTOM_TOOL_PARAMETERS}
-            out.chat.append(_function(tool.get("name"), shim, f"tools[{i}]"))
-            out.custom.add(str(tool.get("name")))
-        elif not isinstance(kind, str):
-            raise APIError(400, "Each tool needs a `type`.", param=f"tools[{i}]")
-        # any other type is a built-in tool: never shown to the model (as vLLM)
-    out.names = {t["function"]["name"] for t in out.chat}
-    return out
-
-
-def _tool_choice(choice: Any, tools: Tools, has_tools: bool) -> Any:
-    """vLLM ``check_tool_usage`` and ``_resolve_named_tool_choice``, in chat's form."""
-    if choice is None or choice == "auto":
-        return "auto" if has_tools else "none"
-    if choice in ("none", "required"):
-        if choice == "required" and not has_tools:
-            raise APIError(
-                400,
-                "Tool choice 'required' must be specified with 'tools' parameter.",
-                param="tool_choice",
-            )
-        if choice == "required" and not tools.chat:
-            raise APIError(
-                400,
-                "tool_choice requires a function call, but tools contains no function tool the "
-                "model can call.",
-                param="tool_choice",
-            )
-        return choice
-    if isinstance(choice, dict) and choice.get("type") in ("function", "custom"):
-        name = choice.get("name")
-        if not isinstance(name, str) or not name or not has_tools:
-            raise APIError(
-                400, "Tool choice 'function' not found in 'tools' parameter.", param="tool_choice"
-            )
-        if name not in tools.names:
-            local = [flat for flat, (_, n) in tools.namespaced.items() if n == name]
-            if len(local) > 1:
-                raise APIError(
-                    400,
-                    f"Tool choice '{name}' is ambiguous: it is defined in more than one namespace "
-                    f"({', '.join(local)}). Select it by its full '<namespace>__<name>' name.",
-                    param="tool_choice",
-                )
-            if not local:
-                raise APIError(
-                    400,
-                    "Tool choice 'function' not found in 'tools' parameter.",
-                    param="tool_choice",
-                )
-            name = local[0]
-        return {"type": "function", "function": {"name": name}}
-    kind = choice.get("type") if isinstance(choice, dict) else choice
-    raise APIError(
-        400,
-        f"tool_choice {kind!r} is not supported: the engine runs no built-in tools; offer a "
-        "function tool instead.",
-        param="tool_choice",
     )
 
 
@@ -530,7 +387,7 @@ def responses_to_chat(
         chat["model"] = body["model"]
     if tools.chat:
         chat["tools"] = tools.chat
-    chat["tool_choice"] = _tool_choice(body.get("tool_choice"), tools, has_tools)
+    chat["tool_choice"] = tool_choice(body.get("tool_choice"), tools, has_tools)
     if body.get("parallel_tool_calls") is not None:
         chat["parallel_tool_calls"] = body["parallel_tool_calls"]
     most = body.get("max_output_tokens")
@@ -583,208 +440,3 @@ def responses_to_chat(
         chat["stream"] = True
         chat["stream_options"] = {"include_usage": True}
     return chat
-
-
-# -- chat answer -> response ------------------------------------------------------------------
-def response_usage(chat_usage: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    if not chat_usage:
-        return None
-    prompt = int(chat_usage.get("prompt_tokens") or 0)
-    completion = int(chat_usage.get("completion_tokens") or 0)
-    cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    reasoning = (chat_usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
-    return {
-        "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": int(cached)},
-        "output_tokens": completion,
-        "output_tokens_details": {"reasoning_tokens": int(reasoning)},
-        "total_tokens": prompt + completion,
-    }
-
-
-def response_logprobs(chat_logprobs: Any) -> list[dict[str, Any]]:
-    """Chat ``logprobs.content`` as the Responses ``output_text.logprobs``."""
-    content = (chat_logprobs or {}).get("content") if isinstance(chat_logprobs, dict) else None
-    out = []
-    for lp in content or []:
-        top = [
-            {"token": t.get("token"), "logprob": t.get("logprob"), "bytes": t.get("bytes")}
-            for t in lp.get("top_logprobs") or []
-        ]
-        out.append(
-            {
-                "token": lp.get("token"),
-                "logprob": lp.get("logprob"),
-                "bytes": lp.get("bytes"),
-                "top_logprobs": top,
-            }
-        )
-    return out
-
-
-def base_response(
-    request: Mapping[str, Any], response_id: str, created_at: int, model: str | None
-) -> dict[str, Any]:
-    """``ResponsesResponse.from_request`` without output, status and usage."""
-    return {
-        "id": response_id,
-        "object": "response",
-        "created_at": created_at,
-        "status": "in_progress",
-        "error": None,
-        "incomplete_details": None,
-        "instructions": request.get("instructions"),
-        "metadata": request.get("metadata"),
-        "model": model or request.get("model") or "",
-        "output": [],
-        "parallel_tool_calls": request.get("parallel_tool_calls", True) is not False,
-        "temperature": _or(request.get("temperature"), 1.0),
-        "tool_choice": request.get("tool_choice") or ("auto" if request.get("tools") else "none"),
-        "tools": list(request.get("tools") or []),
-        "top_p": _or(request.get("top_p"), 1.0),
-        "background": False,
-        "max_output_tokens": request.get("max_output_tokens"),
-        "max_tool_calls": request.get("max_tool_calls"),
-        "previous_response_id": request.get("previous_response_id"),
-        "prompt": None,
-        "prompt_cache_key": request.get("prompt_cache_key"),
-        "prompt_cache_retention": request.get("prompt_cache_retention"),
-        "reasoning": request.get("reasoning"),
-        "safety_identifier": request.get("safety_identifier"),
-        "service_tier": request.get("service_tier") or "auto",
-        "store": request.get("store") is not False,
-        "text": request.get("text"),
-        "top_logprobs": request.get("top_logprobs"),
-        "truncation": request.get("truncation") or "disabled",
-        "usage": None,
-        "user": request.get("user"),
-    }
-
-
-def _or(value: Any, default: Any) -> Any:
-    return default if value is None else value
-
-
-def item_status(finish_reason: Any) -> str:
-    """vLLM ``response_item_status``: a ``length`` cut is ``incomplete``."""
-    return "incomplete" if finish_reason == "length" else "completed"
-
-
-def finish_response(response: dict[str, Any], finish_reason: Any) -> dict[str, Any]:
-    status = item_status(finish_reason)
-    response["status"] = status
-    if status == "incomplete":
-        response["incomplete_details"] = {"reason": "max_output_tokens"}
-    return response
-
-
-def reasoning_item(text: str, status: str | None, item_id: str) -> dict[str, Any]:
-    return {
-        "id": item_id,
-        "type": "reasoning",
-        "summary": [],
-        "content": [{"type": "reasoning_text", "text": text}],
-        "encrypted_content": None,
-        "status": status,
-    }
-
-
-def text_part(text: str, logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
-
-
-def call_item(
-    tools: Tools, name: str, arguments: str, call_id: str, status: str, item_id: str
-) -> dict[str, Any]:
-    if name in tools.custom:
-        return {
-            "id": item_id,
-            "type": "custom_tool_call",
-            "call_id": call_id,
-            "name": name,
-            "input": _custom_input(arguments),
-        }
-    local, namespace = tools.resolve(name)
-    item: dict[str, Any] = {
-        "id": item_id,
-        "type": "function_call",
-        "call_id": call_id,
-        "name": local,
-        "arguments": arguments,
-        "status": status,
-    }
-    if namespace is not None:
-        item["namespace"] = namespace
-    return item
-
-
-def _custom_input(arguments: str) -> str:
-    """vLLM ``decode_custom_tool_input``: the shim's ``input``, or the text as it is."""
-    try:
-        parsed = json.loads(arguments)
-    except ValueError:
-        return arguments
-    value = parsed.get(CUSTOM_TOOL_INPUT_KEY) if isinstance(parsed, dict) else None
-    return value if isinstance(value, str) else arguments
-
-
-def _tool_calls_of(message: Mapping[str, Any]) -> list[dict[str, Any]]:
-    calls = message.get("tool_calls") or []
-    return [c for c in calls if isinstance(c, dict) and isinstance(c.get("function"), dict)]
-
-
-def chat_to_response(
-    chat: Mapping[str, Any],
-    request: Mapping[str, Any],
-    *,
-    response_id: str | None = None,
-    created_at: int | None = None,
-) -> dict[str, Any]:
-    """A non-streamed Chat Completions answer as a ``response`` object (vLLM
-    ``build_response_output_items`` and ``ResponsesResponse.from_request``)."""
-    response_id = response_id or new_response_id()
-    ids = ItemIds(response_id)
-    choice = (chat.get("choices") or [{}])[0]
-    message = choice.get("message") or {}
-    finish = choice.get("finish_reason")
-    last_status = item_status(finish)
-    tools = tools_of(request.get("tools"))
-    output: list[dict[str, Any]] = []
-    reasoning = message.get("reasoning") or message.get("reasoning_content")
-    if reasoning and request.get("include_reasoning", True) is not False:
-        output.append(reasoning_item(reasoning, None, ids("rs")))
-    calls = _tool_calls_of(message)
-    content = message.get("content")
-    if content:
-        logprobs = (
-            response_logprobs(choice.get("logprobs"))
-            if LOGPROBS in (request.get("include") or [])
-            else []
-        )
-        output.append(
-            {
-                "id": ids("msg"),
-                "type": "message",
-                "role": "assistant",
-                "status": "completed" if calls else last_status,
-                "content": [text_part(content, logprobs)],
-            }
-        )
-    for i, call in enumerate(calls):
-        fn = call["function"]
-        status = last_status if i == len(calls) - 1 else "completed"
-        call_id = call.get("id") or f"call_{uuid.uuid4().hex[:24]}"
-        name = str(fn.get("name"))
-        item_id = ids("ctc" if name in tools.custom else "fc")
-        output.append(call_item(tools, name, fn.get("arguments") or "", call_id, status, item_id))
-    response = base_response(
-        request,
-        response_id,
-        created_at if created_at is not None else int(chat.get("created") or time.time()),
-        chat.get("model"),
-    )
-    response["output"] = output
-    response["usage"] = response_usage(chat.get("usage"))
-    if chat.get("kv_transfer_params") is not None:  # vLLM's own field (the router strips it)
-        response["kv_transfer_params"] = chat["kv_transfer_params"]
-    return finish_response(response, finish)

@@ -21,21 +21,19 @@ from typing import Any
 import orjson
 
 from agentkv.protocol.chunks import plain_text
-from agentkv.protocol.responses import (
-    LOGPROBS,
-    ItemIds,
+from agentkv.protocol.responses import LOGPROBS, ItemIds, new_response_id
+from agentkv.protocol.responses_output import (
     base_response,
     call_item,
     chat_to_response,
     finish_response,
     item_status,
-    new_response_id,
     reasoning_item,
     response_logprobs,
     response_usage,
     text_part,
-    tools_of,
 )
+from agentkv.protocol.responses_tools import tools_of
 
 __all__ = ["ResponsesEncoder", "frame"]
 

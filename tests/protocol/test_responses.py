@@ -11,7 +11,6 @@ import pytest
 
 from agentkv.protocol.errors import APIError
 from agentkv.protocol.responses import (
-    chat_to_response,
     history_items,
     last_response_of,
     new_response_id,
@@ -19,6 +18,7 @@ from agentkv.protocol.responses import (
     response_of_item,
     responses_to_chat,
 )
+from agentkv.protocol.responses_output import chat_to_response
 from agentkv.protocol.responses_stream import ResponsesEncoder
 
 SESSION = "01a23591-27a5-7ca3-8f3f-9e92577e7fdd"
