@@ -29,7 +29,7 @@ def measure_preset(name: str, points: Sequence[int]) -> Measured:
     import asyncio
 
     from agentkv.bench import deploy
-    from agentkv.bench.calibrate import measure_curve
+    from agentkv.bench.calibrate_measure import measure_curve
 
     with deploy.local_stack(
         "local", time_scale=1.0, preset=name, decode_prefix_caching=False, unverified=False

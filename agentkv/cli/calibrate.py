@@ -53,10 +53,9 @@ def calibrate(
         describe,
         fit_cost_model,
         fit_rows,
-        run_measure,
-        run_measure_decode_side,
         write_cost_file,
     )
+    from agentkv.bench.calibrate_measure import run_measure, run_measure_decode_side
 
     if timing not in ("wall", "model"):
         typer.echo("agentkv calibrate: --timing must be wall or model", err=True)
