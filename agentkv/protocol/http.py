@@ -118,10 +118,18 @@ class UnexpectedErrors:
         except Exception as exc:
             if started:
                 raise
-            error = self.unexpected(Request(scope), exc)
+            error = _client_fault(exc) or self.unexpected(Request(scope), exc)
             if self.on_error is not None:
                 self.on_error(error.status)
             await api_error_response(error, error_shape(scope["path"]))(scope, receive, send)
+
+
+def _client_fault(exc: Exception) -> APIError | None:
+    """An exception that only a client's body can cause, as the 400 it deserves: JSON nested
+    deeper than orjson writes (254 levels; it reads up to 1,024), met when a body is forwarded."""
+    if type(exc) is TypeError and str(exc) == "Recursion limit reached":
+        return APIError(400, "The request's JSON is nested more than 254 levels deep.")
+    return None
 
 
 def json_object(raw: bytes) -> dict[str, Any]:

@@ -24,6 +24,11 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 MSG = {"model": "agentkv-sim", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
 BIG = b"x" * 5000  # above the router's max_body_bytes below
 PREVIOUS = {"input": "x", "previous_response_id": "resp_no"}
+DEEP: dict[str, Any] = {"x": 1}
+for _ in range(260):  # deeper than orjson writes (254), which the router must to forward it
+    DEEP = {"x": DEEP}
+DEEP_MSG = [{"name": "t", "input_schema": {"type": "object", "properties": DEEP}}]
+DEEP_R = [{"type": "function", "name": "t", "parameters": {"type": "object", "properties": DEEP}}]
 NOT_FOUND = "not_found_error"
 NIXL = "/_sim/nixl/read"
 Case = tuple[str, str, str, dict[str, Any], int, str, str | None]
@@ -42,6 +47,9 @@ CASES: list[Case] = [
     ("r", "POST", "/v1/responses", {"json": {"input": "x", "tools": 1}}, 400, "openai", None),
     ("r", "POST", "/v1/responses", {"json": PREVIOUS}, 404, "openai", "invalid_request_error"),
     ("r", "GET", "/v1/responses/resp_no", {}, 404, "openai", "invalid_request_error"),
+    ("r", "POST", "/v1/chat/completions", {"json": {**CHAT, "x": DEEP}}, 400, "openai", None),
+    ("r", "POST", "/v1/messages", {"json": {**MSG, "tools": DEEP_MSG}}, 400, "anthropic", None),
+    ("r", "POST", "/v1/responses", {"json": {"input": "x", "tools": DEEP_R}}, 400, "openai", None),
     ("r", "POST", "/v1/conversations/c/lease", {"json": {}}, 400, "openai", "BadRequestError"),
     ("r", "GET", "/nope", {}, 404, "openai", "NotFoundError"),
     ("r", "GET", "/v1/messages", {}, 405, "openai", "MethodNotAllowedError"),

@@ -100,6 +100,14 @@ def chat_body(content: str = "hello", **extra: Any) -> dict[str, Any]:
     }
 
 
+def nested(depth: int) -> dict[str, Any]:
+    """A JSON object ``depth`` levels deep."""
+    value: dict[str, Any] = {"type": "string"}
+    for _ in range(depth):
+        value = {"type": "object", "properties": {"x": value}}
+    return value
+
+
 def assert_openai_error(r: httpx.Response, status: int) -> dict[str, Any]:
     assert r.status_code == status, (r.status_code, r.text)
     error = r.json()["error"]
@@ -251,6 +259,12 @@ def _bad_turns(url: str, conversation: str, key: str = "k") -> list[tuple[str, i
         r = h.post("/v1/chat/completions", json=chat_body(max_tokens=2**64 - 1))
         out.append(("max_tokens 2^64-1", r.status_code))
         assert_openai_error(r, 400)
+        # JSON nested past orjson's 254 levels of writing (it reads 1,024): the router forwards
+        # what it parsed, so such a body is the client's error, never a 500
+        tools = [{"type": "function", "function": {"name": "t", "parameters": nested(300)}}]
+        r = h.post("/v1/chat/completions", json=chat_body(tools=tools))
+        out.append(("tools nested 300 levels", r.status_code))
+        assert_openai_error(r, 400)
         for epoch in ("9" * 40, "9223372036854775808", "1_000", "0x10", "1e3"):
             r = h.post("/v1/chat/completions", json=chat_body(), headers={"x-agentkv-epoch": epoch})
             out.append((f"epoch {epoch!r}", r.status_code))
@@ -262,7 +276,7 @@ def test_absurd_token_ids_and_epochs_are_400_and_the_handle_stays(plain):
     with agentkv.Client(base_url=f"{plain.router.url}/v1", api_key="k") as c:
         conv = _one_turn(c, "hostile-ints")
         answers = _bad_turns(plain.router.url, conv.id)
-        assert all(status == 400 for _, status in answers) and len(answers) == 19
+        assert all(status == 400 for _, status in answers) and len(answers) == 20
         conv.add_user("turn 1")
         conv.create(max_tokens=40)
     assert conv.last_receipt.decision == "pull"
