@@ -29,8 +29,8 @@ from typing import Any, Generic, Literal, TypeVar, cast
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 import agentkv
+from agentkv._history import fingerprint
 from agentkv._lanes import AnyConversation, Lane, LaneTable, Turn, take_messages
-from agentkv._ledger import fingerprint
 
 __all__ = [
     "DEFAULT_BASE_URL",
