@@ -21,7 +21,7 @@ import agentkv
 from agentkv import procs
 from agentkv.protocol.promtext import parse_metrics
 from agentkv.sim.launch import free_port
-from tests._support.stack import RouterProcess, Stack, rss_mib, stack
+from tests._support.stack import RouterProcess, Stack, chat_as, rss_mib, stack
 from tests._support.stack import start_router as stack_router
 
 pytestmark = pytest.mark.e2e
@@ -333,14 +333,7 @@ def test_other_fields_the_router_reads_are_coerced_too(plain):
 def _cached(s: Stack, key: str, prompt: str, salt: str | None = None) -> int:
     body = chat_body(prompt, **({"cache_salt": salt} if salt else {}))
     body["messages"] = body["messages"][1:]  # the prompt alone: no shared system prefix
-    r = httpx.post(
-        f"{s.router.url}/v1/chat/completions",
-        json=body,
-        headers={"authorization": f"Bearer {key}"},
-        timeout=30,
-    )
-    assert r.status_code == 200, r.text
-    return int((r.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    return chat_as(s, key, body)[1]
 
 
 def test_every_tenant_is_salted_by_default(tenants):
