@@ -45,6 +45,15 @@ class Stack:
     def router(self) -> RouterProcess:
         return self.routers[0]
 
+    def router_config(self, backend: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A router configuration over these engines (``backend``: more of each one's settings),
+        16-token blocks."""
+        return {
+            "prefill": [{"url": p.url, **(backend or {})} for p in self.prefill],
+            "decode": [{"url": d.url, **(backend or {})} for d in self.decode],
+            "block_size": 16,
+        }
+
     def metrics(self, sim: SimProcess) -> dict[str, float]:
         return parse_metrics(httpx.get(f"{sim.url}/metrics", timeout=10).text)
 
@@ -125,12 +134,7 @@ def stack(
     sims = start_sims(argvs)
     s = Stack(sims[: len(p_args)], sims[len(p_args) :])
     try:
-        cfg = {
-            "prefill": [{"url": p.url, **(backend or {})} for p in s.prefill],
-            "decode": [{"url": d.url, **(backend or {})} for d in s.decode],
-            "block_size": 16,
-            **(router or {}),
-        }
+        cfg = {**s.router_config(backend), **(router or {})}
         for _ in range(routers):
             s.routers.append(start_router(cfg, tmp))
         yield s

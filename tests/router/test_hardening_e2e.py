@@ -55,20 +55,12 @@ def router_metrics(url: str) -> dict[str, float]:
     return {**parse_metrics(r.text, by="stage"), **parse_metrics(r.text, by="status")}
 
 
-def backends(s: Stack) -> dict[str, Any]:
-    return {
-        "prefill": [{"url": p.url} for p in s.prefill],
-        "decode": [{"url": d.url} for d in s.decode],
-        "block_size": 16,
-    }
-
-
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory):
     """No tenants, one admin key: the anonymous deployment, text logs at INFO."""
     tmp = tmp_path_factory.mktemp("plain")
     with stack(tmp, routers=0) as s:
-        s.routers.append(start_router({**backends(s), "admin_api_keys": [ADMIN]}, tmp))
+        s.routers.append(start_router({**s.router_config(), "admin_api_keys": [ADMIN]}, tmp))
         yield s
 
 
@@ -80,7 +72,7 @@ def tenants(tmp_path_factory):
     metrics_port = free_port()
     with stack(tmp, routers=0) as s:
         cfg = {
-            **backends(s),
+            **s.router_config(),
             "tenants": TENANTS,
             "admin_api_keys": [ADMIN],
             "salt_secret": "test-secret",
@@ -274,7 +266,7 @@ def test_absurd_token_ids_and_epochs_are_400_and_the_handle_stays(plain):
 
 def test_absurd_epoch_with_the_redis_store(tmp_path, redis_url):
     with stack(tmp_path, routers=0) as s:
-        s.routers.append(start_router({**backends(s), "store": redis_url}, tmp_path))
+        s.routers.append(start_router({**s.router_config(), "store": redis_url}, tmp_path))
         with agentkv.Client(base_url=f"{s.router.url}/v1", api_key="k") as c:
             conv = _one_turn(c, "hostile-ints-redis")
             answers = _bad_turns(s.router.url, conv.id)
