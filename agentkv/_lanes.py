@@ -13,7 +13,7 @@ from typing import Any, Literal, cast
 from openai.types.chat import ChatCompletion
 
 import agentkv
-from agentkv._ledger import fingerprint
+from agentkv._history import fingerprint
 
 __all__ = [
     "THREAD_STATE_VERSION",

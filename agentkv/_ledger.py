@@ -18,17 +18,22 @@ changes the history.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
-import json
-import re
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from agentkv._exceptions import ConversationError, StateError
+from agentkv._history import (
+    clean_message,
+    compacted,
+    fingerprint,
+    open_tool_calls,
+    wire_messages,
+    without_reasoning,
+)
 from agentkv._receipt import Drift, Mode, RewriteReport, TurnReceipt, router_fields
 from agentkv.protocol import (
     BODY_KV_TRANSFER_PARAMS,
@@ -46,7 +51,6 @@ SyncKind = Literal["same", "append", "rewrite"]
 """What :meth:`Conversation.sync` found: the history, an extension of it, or a rewrite."""
 
 STATE_VERSION = 1
-_THINK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 _RESERVED = {"messages", "model", "n"}
 
 
@@ -82,36 +86,6 @@ class TurnResult:
     request_id: str | None = None
     response_model: str | None = None
     """The ``model`` the server answered with."""
-
-
-def _clean(message: Mapping[str, Any]) -> dict[str, Any]:
-    """A plain-dict deep copy (accepts openai's pydantic message objects too)."""
-    dump = getattr(message, "model_dump", None)
-    data = dump(exclude_none=True) if callable(dump) else dict(message)
-    if not isinstance(data, dict):
-        raise ConversationError("A message must be a mapping.")
-    return copy.deepcopy(data)
-
-
-def fingerprint(message: Mapping[str, Any]) -> tuple[Any, ...]:
-    """What a framework round-trips of a message (it may drop reasoning or re-encode args):
-    reasoning dropped, tool-call arguments compared as JSON values, ``<think>`` blocks stripped
-    from assistant text. ``Conversation.sync`` and :mod:`agentkv.pool` compare by it."""
-    calls = []
-    for call in message.get("tool_calls") or []:
-        fn = call.get("function") or {}
-        args = fn.get("arguments")
-        if isinstance(args, str):
-            with contextlib.suppress(ValueError):
-                args = json.loads(args)
-        calls.append((fn.get("name"), json.dumps(args, sort_keys=True)))
-    content = message.get("content")
-    if isinstance(content, list):
-        content = "".join(p.get("text", "") for p in content if isinstance(p, Mapping))
-    content = content or ""
-    if message.get("role") == "assistant" and isinstance(content, str):
-        content = _THINK.sub("", content).strip()
-    return (message.get("role"), content, tuple(calls), message.get("tool_call_id"))
 
 
 class Ledger:
@@ -166,7 +140,7 @@ class Ledger:
         return copy.deepcopy(self._messages)
 
     def add(self, message: Mapping[str, Any]) -> None:
-        msg = _clean(message)
+        msg = clean_message(message)
         role = msg.get("role")
         if role not in ("system", "developer", "user", "assistant", "tool"):
             raise ConversationError(f"Unknown message role {role!r}.", conversation_id=self.id)
@@ -181,12 +155,7 @@ class Ledger:
         self.add({"role": "tool", "tool_call_id": tool_call_id, "content": content})
 
     def _check_tool_result(self, tool_call_id: str) -> None:
-        open_ids: list[str] = []
-        for msg in self._messages:
-            if msg.get("role") == "assistant":
-                open_ids = [str(c.get("id")) for c in msg.get("tool_calls") or []]
-            elif msg.get("role") == "tool" and msg.get("tool_call_id") in open_ids:
-                open_ids.remove(str(msg["tool_call_id"]))
+        open_ids = open_tool_calls(self._messages)
         if tool_call_id not in open_ids:
             known = ", ".join(open_ids) or "none"
             raise ConversationError(
@@ -279,7 +248,7 @@ class Ledger:
             kwargs["tools"] = self.tools
         return {
             "model": model,
-            "messages": self._wire_messages(),
+            "messages": wire_messages(self._messages),
             "extra_body": extra_body,
             "extra_headers": {
                 **user_headers,
@@ -288,20 +257,6 @@ class Ledger:
             },
             **kwargs,
         }
-
-    def _wire_messages(self) -> list[dict[str, Any]]:
-        """History as generated; reasoning under both names servers accept.
-
-        The ledger's own messages, not copies (a turn is sent and encoded before the ledger
-        changes, and nothing on the way writes to them): copying every message of a long
-        history on every turn cost more than encoding it."""
-        out = []
-        for m in self._messages:
-            reasoning = m.get("reasoning") or m.get("reasoning_content")
-            if reasoning and m.get("role") == "assistant":
-                m = {**m, "reasoning": reasoning, "reasoning_content": reasoning}
-            out.append(m)
-        return out
 
     @property
     def last_prompt_ids(self) -> list[int] | None:
@@ -406,7 +361,7 @@ class Ledger:
 
     # -- rewriting --------------------------------------------------------------------------
     def rewrite(self, messages: Sequence[Mapping[str, Any]], reason: str) -> RewriteReport:
-        new = [_clean(m) for m in messages]
+        new = [clean_message(m) for m in messages]
         if not new:
             raise ConversationError(
                 "rewrite() needs at least one message.", conversation_id=self.id
@@ -443,40 +398,19 @@ class Ledger:
         return report
 
     def without_reasoning(self) -> list[dict[str, Any]]:
-        out = []
-        for msg in self._messages:
-            m = copy.deepcopy(msg)
-            if m.get("role") == "assistant":
-                m.pop("reasoning", None)
-                m.pop("reasoning_content", None)
-                if isinstance(m.get("content"), str):
-                    m["content"] = _THINK.sub("", m["content"])
-            out.append(m)
-        return out
+        return without_reasoning(self._messages)
 
     def compacted(self, summary: str, keep_last: int) -> list[dict[str, Any]]:
         """System messages, a user message holding ``summary``, then the last ``keep_last``
         messages (moved back so the kept part starts at a user message)."""
         if keep_last < 0:
             raise ConversationError("keep_last must be >= 0.", conversation_id=self.id)
-        head = [m for m in self._messages if m.get("role") in ("system", "developer")]
-        body = [m for m in self._messages if m.get("role") not in ("system", "developer")]
-        cut = max(0, len(body) - keep_last)
-        while cut < len(body) and body[cut].get("role") != "user":
-            cut += 1
-        tail = body[cut:]
-        return copy.deepcopy(
-            [
-                *head,
-                {"role": "user", "content": f"Summary of the conversation so far:\n{summary}"},
-                *tail,
-            ]
-        )
+        return compacted(self._messages, summary, keep_last)
 
     def classify(self, messages: Sequence[Mapping[str, Any]]) -> SyncKind:
         """Whether ``messages`` is the history, extends it, or rewrites it."""
         mine = [fingerprint(m) for m in self._messages]
-        theirs = [fingerprint(_clean(m)) for m in messages]
+        theirs = [fingerprint(clean_message(m)) for m in messages]
         if theirs[: len(mine)] != mine:
             return "rewrite"
         return "same" if len(theirs) == len(mine) else "append"
@@ -517,7 +451,7 @@ class Ledger:
             )
             ledger.epoch = int(state["epoch"])
             ledger.turns = int(state["turns"])
-            ledger._messages = [_clean(m) for m in state["messages"]]
+            ledger._messages = [clean_message(m) for m in state["messages"]]
             ledger._sent = int(state["sent"])
             ids = state.get("ids")
             ledger.ids = [int(t) for t in ids] if ids is not None else None

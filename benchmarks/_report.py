@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import platform
 import re
 import subprocess
@@ -16,6 +17,15 @@ Every figure here is written by a script in `benchmarks/` that measures agentkv 
 baseline in the same run, on the machine named in its section. Re-run a script to refresh its
 section; the other sections are left as they are.
 """
+
+
+def arguments(description: str, quick: str) -> argparse.ArgumentParser:
+    """A benchmark's command line: ``--quick`` (``quick`` says what it runs) and ``--no-write``
+    (print only: docs/benchmarks.md keeps its section)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    return parser
 
 
 def machine() -> str:

@@ -27,7 +27,6 @@ writes its section of docs/benchmarks.md unless ``--no-write``).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import itertools
@@ -51,7 +50,7 @@ from agentkv.protocol.promtext import parse_metrics
 from agentkv.router.paths import DecodeBudget, TurnState, choose
 from agentkv.sim.costmodel import PRESETS
 from agentkv.sim.launch import SimProcess, start_sims
-from benchmarks._report import machine, write_section
+from benchmarks._report import arguments, machine, write_section
 
 BS = 16
 PRESET = "qwen3-32b-p5en"
@@ -306,9 +305,7 @@ async def main_async(history: int, news: list[int]) -> tuple[list[Row], dict[int
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="a 4k history, new 128 and 2k")
-    ap.add_argument("--no-write", action="store_true", help="print only")
+    ap = arguments(__doc__.split("\n\n")[0], "a 4k history, new 128 and 2k")
     args = ap.parse_args()
     history = 4096 if args.quick else 24 * 1024
     news = [128, 2048] if args.quick else [128, 2048, 16 * 1024]

@@ -15,7 +15,6 @@ exceeded.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import re
 import sys
@@ -39,7 +38,7 @@ from benchmarks._loadgen import (
     start_router,
     wait_quiet,
 )
-from benchmarks._report import machine, write_section
+from benchmarks._report import arguments, machine, write_section
 
 MODEL = "sim"
 MAX_TOKENS = 8
@@ -217,9 +216,7 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="200 conversations, 64 in flight")
-    parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    parser = arguments(__doc__.splitlines()[0], "200 conversations, 64 in flight")
     parser.add_argument(
         "--wait-quiet",
         type=float,

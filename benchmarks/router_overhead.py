@@ -75,7 +75,7 @@ from benchmarks._overhead_report import (
     memory_table,
     sweep_goals,
 )
-from benchmarks._report import machine, write_section
+from benchmarks._report import arguments, machine, write_section
 from benchmarks._turns import PLAIN, STREAMED, TURNS, Material, Stats, Target, Workload, drive
 
 D_TTL_S = 60.0
@@ -421,9 +421,7 @@ def memory_phase(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="few turns per cell")
-    parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    parser = arguments(__doc__.splitlines()[0], "few turns per cell")
     parser.add_argument(
         "--lengths",
         help=f"first-prompt lengths, comma-separated, of {','.join(LENGTHS)} "

@@ -15,7 +15,6 @@ while iterating, never written).
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
@@ -30,7 +29,7 @@ import agentkv
 from agentkv import _conversation, _ledger
 from agentkv._rendering import RemoteRenderer
 from agentkv.sim.launch import start_sims
-from benchmarks._report import machine, write_section
+from benchmarks._report import arguments, machine, write_section
 
 WORDS = [
     *("agents", "resend", "their", "whole", "growing", "history", "every"),
@@ -182,9 +181,7 @@ def _loadavg() -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small histories, few turns")
-    parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    parser = arguments(__doc__.splitlines()[0], "small histories, few turns")
     parser.add_argument(
         "--sizes",
         help="comma-separated history sizes in tokens (default 1000,8000,32000,128000; "

@@ -5,8 +5,8 @@ calibrate the simulator's cost model against a live deployment.
   turns, and how each turn's prompt relates to the previous one;
 * :mod:`agentkv.bench.content`: hashed traces as token content and scripted conversations;
 * :mod:`agentkv.bench.replay` and :mod:`agentkv.bench.runner`: ``agentkv bench replay``;
-  :mod:`agentkv.bench.wire` and :mod:`agentkv.bench.replay_raw`: its raw HTTP clients
-  (``--client chat|messages|responses``);
+  :mod:`agentkv.bench.wire`, :mod:`agentkv.bench.wire_codecs` and
+  :mod:`agentkv.bench.replay_raw`: its raw HTTP clients (``--client chat|messages|responses``);
 * :mod:`agentkv.bench.report` and :mod:`agentkv.bench.plots`: summaries, files, figures;
 * :mod:`agentkv.bench.plan`: ``agentkv plan``;
 * :mod:`agentkv.bench.calibrate`: ``agentkv calibrate``; :mod:`agentkv.bench.curves`:

@@ -239,6 +239,11 @@ def fit_decode_side(
     return DecodeSide(p1, p2, s)
 
 
+def _or(measured: float | None, otherwise: float) -> float:
+    """``measured``, or ``otherwise`` where it was not measured."""
+    return otherwise if measured is None else measured
+
+
 def curves_for(
     fitted: CostModel,
     measurements: Sequence[Measurement] = (),
@@ -259,22 +264,12 @@ def curves_for(
         transfer_s_per_token=fitted.transfer_s_per_block / fitted.block_size,
         prefill_p_s_per_token=fitted.prefill_s_per_token,
         prefill_p_s_per_token_ctx=fitted.prefill_s_per_token_ctx,
-        prefill_d_s_per_token=(
-            fitted.prefill_s_per_token
-            if side.prefill_s_per_token is None
-            else side.prefill_s_per_token
-        ),
-        prefill_d_s_per_token_ctx=(
-            fitted.prefill_s_per_token_ctx
-            if side.prefill_s_per_token_ctx is None
-            else side.prefill_s_per_token_ctx
-        ),
+        prefill_d_s_per_token=_or(side.prefill_s_per_token, fitted.prefill_s_per_token),
+        prefill_d_s_per_token_ctx=_or(side.prefill_s_per_token_ctx, fitted.prefill_s_per_token_ctx),
         decode_s_per_token=fitted.decode_s_per_token,
         decode_s_per_token_ctx=fitted.decode_s_per_token_ctx,
-        slowdown_s_per_prefill_token=(
-            defaults.slowdown_s_per_prefill_token
-            if side.slowdown_s_per_prefill_token is None
-            else side.slowdown_s_per_prefill_token
+        slowdown_s_per_prefill_token=_or(
+            side.slowdown_s_per_prefill_token, defaults.slowdown_s_per_prefill_token
         ),
         cpu_load_s_per_token=defaults.cpu_load_s_per_token,
         max_num_batched_tokens=max_num_batched_tokens,

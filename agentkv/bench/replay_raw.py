@@ -53,12 +53,12 @@ from agentkv.bench.wire import (
     RawClientName,
     Turn,
     WireError,
-    codec_for,
     same_answer,
     shadow,
     sse_events,
     strip_reasoning,
 )
+from agentkv.bench.wire_codecs import codec_for
 from agentkv.protocol import (
     HEADER_DECISION,
     HEADER_REUSED_TOKENS,

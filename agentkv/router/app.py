@@ -42,6 +42,7 @@ from agentkv.router.identity import Identity, IdentityLedger, MemoryLedger, Redi
 from agentkv.router.kv_index import KVEventSubscriber, PrefixIndex
 from agentkv.router.leases import MemoryLeases, RedisLeases
 from agentkv.router.logs import safe
+from agentkv.router.memory_store import MemoryStore
 from agentkv.router.messages import (
     TemplateTraits,
     chat_body,
@@ -57,7 +58,7 @@ from agentkv.router.responses import ResponsesAPI
 from agentkv.router.responses_store import MemoryResponses, RedisResponses, ResponseStore
 from agentkv.router.retention import LeasesUnavailable
 from agentkv.router.server import HeadLimits, bounded_protocol
-from agentkv.router.store import Bound, HandleStore, MemoryStore, make_store
+from agentkv.router.store import Bound, HandleStore, make_store
 from agentkv.router.tenancy import Tenancy
 from agentkv.router.tracing import extracted
 from agentkv.router.upstream import EnginePool

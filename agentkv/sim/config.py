@@ -67,7 +67,7 @@ class SimConfig(BaseModel):
     """Read a script (``agentkv_sim``'s value) from the prompt when the body has none: the JSON
     after ``agentkv_sim:`` in the last user message that has it, one script or a list of them
     (the n-th for the n-th answer after that message). For clients that send no extra body
-    field, such as Claude Code (:func:`agentkv.sim.serving.prompt_script`)."""
+    field, such as Claude Code (:func:`agentkv.sim.answer_text.prompt_script`)."""
     max_output_tokens_default: int = Field(48, ge=1)
     """Upper bound of a generated answer's natural length when the request sets no limit."""
     max_num_batched_tokens: int = Field(8192, ge=1)

@@ -44,11 +44,9 @@ vLLM 0.33 names the reasoning field ``reasoning`` in both the message and the st
 
 from __future__ import annotations
 
-import json
 import random
-import re
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any, Literal, TypedDict
@@ -56,7 +54,17 @@ from typing import Any, Literal, TypedDict
 from typing_extensions import Unpack
 
 from agentkv.protocol.deltas import DeltaFold, ToolCall
-from agentkv.sim.arg_types import fix_arg_types
+from agentkv.sim.markup import (
+    EMPTY,
+    FUNC_PREFIX,
+    THINK_END,
+    THINK_START,
+    TOOL_CALL_START,
+    Call,
+    Text,
+    lex,
+)
+from agentkv.sim.tool_parsers import hermes_calls, qwen3_coder_calls
 
 __all__ = [
     "OutputOptions",
@@ -73,16 +81,6 @@ ToolFormat = Literal["auto", "hermes", "qwen3_coder", "none"]
 ReasoningParser = Literal["qwen3", "deepseek_r1"]
 ToolChoice = Literal["auto", "none"]
 
-THINK_START = "<think>"
-THINK_END = "</think>"
-TOOL_CALL_START = "<tool_call>"
-TOOL_CALL_END = "</tool_call>"
-FUNC_PREFIX = "<function="
-FUNC_END = "</function>"
-PARAM_START = "<parameter="
-PARAM_END = "</parameter>"
-CLOSE_ANGLE = ">"
-
 
 @dataclass(frozen=True)
 class ParsedOutput:
@@ -91,87 +89,20 @@ class ParsedOutput:
     tool_calls: list[ToolCall] = field(default_factory=list)
 
 
-# -- text that remembers where it came from --------------------------------------------------
-@dataclass(frozen=True)
-class _Text:
-    """A string cut out of the raw output, with each character's offset in the raw output."""
-
-    text: str
-    at: list[int]
-
-    @staticmethod
-    def whole(raw: str) -> _Text:
-        return _Text(raw, list(range(len(raw))))
-
-    def pick(self, spans: Iterable[tuple[int, int]]) -> _Text:
-        parts = list(spans)
-        at: list[int] = []
-        for start, end in parts:
-            at.extend(self.at[start:end])
-        return _Text("".join(self.text[start:end] for start, end in parts), at)
-
-    def cut(self, start: int, end: int) -> _Text:
-        return _Text(self.text[start:end], self.at[start:end])
-
-    def strip(self) -> _Text:
-        left = len(self.text) - len(self.text.lstrip())
-        right = len(self.text.rstrip())
-        return self.cut(left, max(left, right))
-
-
-_EMPTY = _Text("", [])
-
-
-@dataclass(frozen=True)
-class _Call:
-    name: str
-    arguments: str
-    name_at: int  # raw offset of the character after which vLLM knows the name
-    end_at: int  # raw offset of the call's last character
-
-
 @dataclass(frozen=True)
 class _Parsed:
-    reasoning: _Text | None
-    content: _Text | None
-    calls: list[_Call]
-
-
-# -- the lexer of vLLM's qwen3 parser engine -------------------------------------------------
-_QWEN3_TERMINALS = (
-    THINK_START,
-    THINK_END,
-    TOOL_CALL_START,
-    TOOL_CALL_END,
-    FUNC_PREFIX,
-    FUNC_END,
-    PARAM_START,
-    PARAM_END,
-    CLOSE_ANGLE,
-)
-# Leftmost, then longest, like vllm/parser/engine/incremental_lexer.py.
-_LEXER = re.compile("|".join(re.escape(t) for t in sorted(_QWEN3_TERMINALS, key=len, reverse=True)))
-
-
-def _lex(text: str) -> Iterator[tuple[str | None, int, int]]:
-    """(terminal or None for plain text, start, end) in order."""
-    pos = 0
-    for m in _LEXER.finditer(text):
-        if m.start() > pos:
-            yield None, pos, m.start()
-        yield m.group(), m.start(), m.end()
-        pos = m.end()
-    if pos < len(text):
-        yield None, pos, len(text)
+    reasoning: Text | None
+    content: Text | None
+    calls: list[Call]
 
 
 # -- reasoning -------------------------------------------------------------------------------
-def _qwen3_reasoning(out: _Text) -> tuple[_Text | None, _Text | None]:
+def _qwen3_reasoning(out: Text) -> tuple[Text | None, Text | None]:
     """``Qwen3Parser.extract_reasoning`` with tool parsing skipped, as its adapter runs it."""
     reasoning: list[tuple[int, int]] = []
     content: list[tuple[int, int]] = []
     in_reasoning = True
-    for term, start, end in _lex(out.text):
+    for term, start, end in lex(out.text):
         if term == THINK_END:
             in_reasoning = False
             continue
@@ -184,7 +115,7 @@ def _qwen3_reasoning(out: _Text) -> tuple[_Text | None, _Text | None]:
     return (r if r.text else None), (c if c.text else None)
 
 
-def _r1_reasoning(out: _Text) -> tuple[_Text | None, _Text | None]:
+def _r1_reasoning(out: Text) -> tuple[Text | None, Text | None]:
     """``BaseThinkingReasoningParser.extract_reasoning``."""
     start = out.text.find(THINK_START)
     body = start + len(THINK_START) if start >= 0 else 0
@@ -193,208 +124,6 @@ def _r1_reasoning(out: _Text) -> tuple[_Text | None, _Text | None]:
         return out.cut(body, len(out.text)), None
     content = out.cut(end + len(THINK_END), len(out.text))
     return out.cut(body, end), (content if content.text else None)
-
-
-# -- hermes ----------------------------------------------------------------------------------
-_HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
-_HERMES_NAME = re.compile(r'"name"\s*:\s*"([^"]+)"')
-
-
-def _hermes(content: _Text) -> tuple[list[_Call], _Text | None] | None:
-    """``Hermes2ProToolParser.extract_tool_calls``; None when it reports no tool call."""
-    text = content.text
-    if TOOL_CALL_START not in text:
-        return None
-    calls: list[_Call] = []
-    for m in _HERMES_CALL.finditer(text):
-        closed = m.group(1)
-        body, body_start = (closed, m.start(1)) if closed else (m.group(2) or "", m.start(2))
-        try:
-            obj = json.loads(body)
-        except (ValueError, RecursionError):
-            return None
-        if not isinstance(obj, dict) or "arguments" not in obj:
-            return None
-        name = obj.get("name")
-        if not isinstance(name, str):
-            return None
-        end_at = content.at[m.end() - 1]
-        named = _HERMES_NAME.search(body)
-        name_at = content.at[body_start + named.end() - 1] if named else end_at
-        arguments = json.dumps(obj["arguments"], ensure_ascii=False)
-        calls.append(_Call(name, arguments, name_at, end_at))
-    before = content.cut(0, text.find(TOOL_CALL_START))
-    return calls, (before if before.text else None)
-
-
-# -- qwen3_coder -----------------------------------------------------------------------------
-_PARAM = re.compile(
-    r"<\s*parameter\s*=\s*([^>]*)>(.*?)(?:<\s*/\s*parameter\s*>|(?=<\s*parameter\s*=))",
-    re.DOTALL,
-)
-_JSON_NAME = re.compile(r'"name"\s*:\s*"([^"]*)"')
-
-
-def _trim_wrapping_newlines(value: str) -> str:
-    value = value.removeprefix("\n")
-    return value.removesuffix("\n")
-
-
-def _qwen3_arguments(raw: str) -> str:
-    """``_qwen3_arg_converter(raw, partial=False)``."""
-    params: dict[str, object] = {}
-    for m in _PARAM.finditer(raw):
-        params[m.group(1)] = _trim_wrapping_newlines(m.group(2))
-    return json.dumps(params, ensure_ascii=False)
-
-
-@dataclass
-class _Slot:
-    name: str = ""
-    args: str = ""
-    name_sent: bool = False
-    name_at: int = -1
-    end_at: int = -1
-
-
-@dataclass
-class _Qwen3ToolPass:
-    """The qwen3 parser engine run from the content state over reasoning-free text
-    (``ParserEngine.extract_tool_calls_from_content``), reduced to what it returns."""
-
-    skip_reasoning: bool
-    suppress: bool
-    slots: list[_Slot] = field(default_factory=list)
-    before: list[tuple[int, int]] = field(default_factory=list)
-    deferred: list[tuple[int, int]] = field(default_factory=list)
-    seen_tool: bool = False
-
-    def text(self, start: int, end: int) -> None:
-        (self.deferred if self.seen_tool else self.before).append((start, end))
-
-    def call_start(self) -> None:
-        if not self.suppress:
-            self.slots.append(_Slot())
-            self.seen_tool = True
-
-    def name(self, value: str) -> None:
-        if not self.suppress and self.slots:
-            self.slots[-1].name += value
-            self.seen_tool = True
-
-    def arg(self, value: str, end: int) -> None:
-        if self.suppress or not self.slots:
-            return
-        self.seen_tool = True
-        slot = self.slots[-1]
-        slot.args += value
-        if slot.name_sent:
-            return
-        if not slot.name:
-            found = _JSON_NAME.search(slot.args)
-            if found is None or not found.group(1):
-                return
-            slot.name = found.group(1)
-        slot.name_sent, slot.name_at = True, end
-
-    def call_end(self, end: int) -> None:
-        if self.suppress or not self.slots:
-            return
-        self.seen_tool = True
-        slot = self.slots[-1]
-        if slot.end_at < 0:  # finishing after ``</function>`` ends the same call again
-            slot.end_at = end
-        if not slot.name_sent:
-            found = _JSON_NAME.search(slot.args)
-            name = slot.name or (found.group(1) if found else "")
-            if name:
-                slot.name, slot.name_sent, slot.name_at = name, True, end
-
-    def run(self, text: str) -> None:
-        state = "content"
-        for term, start, end in _lex(text):
-            value = text[start:end]
-            if state == "content":
-                if term == THINK_END and not self.skip_reasoning:
-                    continue
-                if term == TOOL_CALL_START:
-                    state = "preamble"
-                    self.call_start()
-                elif term == FUNC_PREFIX:
-                    state = "name"
-                    self.call_start()
-                else:
-                    self.text(start, end)
-            elif state == "preamble":
-                if term == TOOL_CALL_END:
-                    state = "content"
-                    self.call_end(end)
-                elif term == FUNC_PREFIX:
-                    state = "name"
-            elif state == "name":
-                if term == CLOSE_ANGLE:
-                    state = "args"
-                elif term in (FUNC_END, TOOL_CALL_END, TOOL_CALL_START, FUNC_PREFIX):
-                    self.call_end(end)
-                    state = {
-                        FUNC_END: "between",
-                        TOOL_CALL_END: "content",
-                        TOOL_CALL_START: "preamble",
-                        FUNC_PREFIX: "name",
-                    }[term]
-                    if term in (TOOL_CALL_START, FUNC_PREFIX):
-                        self.call_start()
-                else:
-                    self.name(value)
-            elif state == "args":
-                if term == FUNC_END:
-                    self.call_end(end)
-                    state = "between"
-                elif term == FUNC_PREFIX:
-                    self.call_end(end)
-                    self.call_start()
-                    state = "name"
-                else:
-                    self.arg(value, end)
-            elif term == TOOL_CALL_END:  # between calls
-                state = "content"
-            elif term in (TOOL_CALL_START, FUNC_PREFIX):
-                self.call_start()
-                state = "preamble" if term == TOOL_CALL_START else "name"
-        if state != "content":
-            self.call_end(len(text))
-
-
-def _qwen3_tools(
-    content: _Text,
-    *,
-    skip_reasoning: bool,
-    suppress: bool,
-    tools: Sequence[Mapping[str, Any]] | None,
-) -> tuple[list[_Call], _Text | None]:
-    run = _Qwen3ToolPass(skip_reasoning=skip_reasoning, suppress=suppress)
-    run.run(content.text)
-    calls: list[_Call] = []
-    for slot in run.slots:
-        # vLLM would try a JSON body here when the name is empty; XML bodies never hold one.
-        name = slot.name.strip()
-        if not name:
-            continue
-        arguments = _qwen3_arguments(slot.args) if slot.args.strip() else "{}"
-        arguments = fix_arg_types(arguments, name, tools)
-        calls.append(
-            _Call(name, arguments, content.at[slot.name_at - 1], content.at[slot.end_at - 1])
-        )
-    announced = any(slot.name_sent for slot in run.slots)
-    spans = run.before
-    if run.deferred and (not run.seen_tool or not announced):
-        spans = run.before + run.deferred
-    text = content.pick(spans)
-    if not text.text.strip() and run.slots:
-        text = _EMPTY
-    if calls:
-        text = text.strip()
-    return calls, (text if text.text else None)
 
 
 # -- parsing ---------------------------------------------------------------------------------
@@ -420,9 +149,9 @@ def _parse(
     tool_choice: ToolChoice = "auto",
     tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> _Parsed:
-    out = _Text.whole(text)
-    r: _Text | None
-    c: _Text | None
+    out = Text.whole(text)
+    r: Text | None
+    c: Text | None
     if not reasoning:
         r, c = None, out
     elif reasoning_parser == "deepseek_r1":
@@ -435,9 +164,9 @@ def _parse(
     fmt = tool_format
     if fmt == "auto":
         fmt = "qwen3_coder" if FUNC_PREFIX in text else "hermes"
-    calls: list[_Call] = []
+    calls: list[Call] = []
     if fmt == "hermes" and tool_choice == "auto":
-        found = _hermes(c or _EMPTY)
+        found = hermes_calls(c or EMPTY)
         if found is not None:
             calls, c = found
             if c is not None and not c.text.strip():
@@ -447,8 +176,8 @@ def _parse(
         # the composed parser is not engine-based and keeps the content it was given.
         engine_based = not reasoning or reasoning_parser == "qwen3"
         suppress = tool_choice == "none" and bool(tools)
-        found_calls, found_content = _qwen3_tools(
-            c or _EMPTY, skip_reasoning=not reasoning, suppress=suppress, tools=tools
+        found_calls, found_content = qwen3_coder_calls(
+            c or EMPTY, skip_reasoning=not reasoning, suppress=suppress, tools=tools
         )
         if tool_choice == "auto" and found_calls:
             calls, c = found_calls, found_content

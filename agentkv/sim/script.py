@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from agentkv.sim.outputs import (
+from agentkv.sim.markup import (
     FUNC_END,
     FUNC_PREFIX,
     PARAM_END,

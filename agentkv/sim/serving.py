@@ -1,30 +1,33 @@
 """vLLM's OpenAI surface over the engine: request parsing.
 
 Chat and completions requests become a :class:`RequestPlan` around a
-:class:`~agentkv.sim.engine.GenRequest`; :mod:`agentkv.sim.responses` turns the engine's events
-into vLLM 0.33's JSON bodies or SSE chunks.
+:class:`~agentkv.sim.engine.GenRequest` (the answer's text, its script and stop strings:
+:mod:`agentkv.sim.answer_text`); :mod:`agentkv.sim.responses` turns the engine's events into
+vLLM 0.33's JSON bodies or SSE chunks.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 import uuid
-from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import accumulate
 from typing import Any
 
-import orjson
 from pydantic import ValidationError
 
 from agentkv.chat.template import ChatTemplate, TemplateError
 from agentkv.chat.tokenizer import ChatTokenizer
-from agentkv.protocol import BODY_SIM_SCRIPT, KVTransferParams
+from agentkv.protocol import KVTransferParams
 from agentkv.protocol import kv_transfer as kvt
 from agentkv.protocol.errors import APIError
+from agentkv.sim.answer_text import (
+    StopHit,
+    find_stop,
+    output_seed,
+    request_script,
+    stop_strings,
+)
 from agentkv.sim.config import SimConfig
 from agentkv.sim.engine import GenRequest
 from agentkv.sim.script import SimScript, generate_text, native_syntax_for, render_script
@@ -33,19 +36,14 @@ __all__ = [
     "SYSTEM_FINGERPRINT",
     "RequestPlan",
     "SimRenderer",
-    "StopHit",
     "plan_chat",
     "plan_completion",
-    "prompt_script",
-    "token_pieces",
 ]
 
 _REUSED_IDS = "kv_transfer_params.prompt_token_ids"
 SYSTEM_FINGERPRINT = "vllm-0.33.0-a9e7c5e1"
 """vLLM 0.33 (``--fingerprint-mode full``) sends ``vllm-<version>-<8 hex of its config hash>`` on
 every response and on a stream's usage chunk; the simulator's is fixed."""
-PROMPT_SCRIPT_MARKER = f"{BODY_SIM_SCRIPT}:"
-"""What precedes a script in a prompt (``--prompt-scripts``)."""
 # vLLM's ``VLLMValidationError`` appends the parameter to its message.
 _REUSED_IDS_PARAM = f"parameter={_REUSED_IDS}"
 
@@ -199,7 +197,7 @@ class SimRenderer:
         min_tokens: int = 0,
     ) -> tuple[list[int], StopHit | None]:
         """The tokens the model will emit, and the stop string that ends them (if any)."""
-        script = _script(body, self.config.prompt_scripts)
+        script = request_script(body, self.config.prompt_scripts)
         eos = self.eos_id
         end_with_eos = True
         native = native_syntax_for(self.template.source)
@@ -211,7 +209,7 @@ class SimRenderer:
                 script, native=native, thinking=reasons, prompt_ends_in_think=prompt_ends_in_think
             )
         else:
-            seed = _seed(body, prompt_ids)
+            seed = output_seed(body, prompt_ids)
             chars = 8 * self.config.max_output_tokens_default
             ids = self.tokenizer.encode(generate_text(seed, max_chars=chars))
             natural = 8 + seed % max(1, self.config.max_output_tokens_default - 8)
@@ -237,14 +235,16 @@ class SimRenderer:
             want = min(want, max(0, self.config.max_model_len - len(prompt_ids)))
             filler = 0
             while len(ids) < want:
-                ids += self.tokenizer.encode(generate_text(_seed(body, prompt_ids) + filler, 256))
+                ids += self.tokenizer.encode(
+                    generate_text(output_seed(body, prompt_ids) + filler, 256)
+                )
                 filler += 1
             if ignore_eos:
                 end_with_eos = False
         hit = None
-        stops = _stop_strings(body)
+        stops = stop_strings(body)
         if stops:
-            hit = _find_stop(self.tokenizer, ids, stops, min_tokens)
+            hit = find_stop(self.tokenizer, ids, stops, min_tokens)
             if hit is not None:
                 ids = ids[: hit.num_tokens]
                 end_with_eos = False
@@ -258,123 +258,9 @@ class SimRenderer:
         return frozenset() if self.eos_id is None else frozenset({self.eos_id})
 
 
-def _script(body: dict[str, Any], from_prompt: bool = False) -> SimScript | None:
-    raw = body.get(BODY_SIM_SCRIPT)
-    if raw is None:
-        return prompt_script(body) if from_prompt else None
-    try:
-        return SimScript.model_validate(raw)
-    except ValidationError as exc:
-        raise APIError(400, f"Invalid `{BODY_SIM_SCRIPT}`: {exc}", param=BODY_SIM_SCRIPT) from exc
-
-
-def prompt_script(body: dict[str, Any]) -> SimScript | None:
-    """The script a chat prompt carries (``--prompt-scripts``): the JSON after
-    ``agentkv_sim:`` in the last user message that has it (a string content or its text parts),
-    one script or a list; the n-th answer after that message (n = the assistant messages since)
-    gets the n-th, and answers past the list are generated text (which ends an agent's loop)."""
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        return None
-    for at in range(len(messages) - 1, -1, -1):
-        message = messages[at]
-        if not isinstance(message, dict) or message.get("role") != "user":
-            continue
-        raw = _marked(message.get("content"))
-        if raw is None:
-            continue
-        steps = raw if isinstance(raw, list) else [raw]
-        n = sum(isinstance(m, dict) and m.get("role") == "assistant" for m in messages[at + 1 :])
-        if n >= len(steps):
-            return None
-        try:
-            return SimScript.model_validate(steps[n])
-        except ValidationError as exc:
-            raise APIError(400, f"Invalid `{PROMPT_SCRIPT_MARKER}` script: {exc}") from exc
-    return None
-
-
-def _marked(content: Any) -> Any:
-    """The JSON value after the marker in a message's text, or None."""
-    if isinstance(content, str):
-        texts = [content]
-    elif isinstance(content, list):
-        texts = [
-            p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
-        ]
-    else:
-        return None
-    for text in texts:
-        at = text.find(PROMPT_SCRIPT_MARKER)
-        if at < 0:
-            continue
-        start = at + len(PROMPT_SCRIPT_MARKER)
-        start += len(text[start:]) - len(text[start:].lstrip())
-        try:
-            value, _ = json.JSONDecoder().raw_decode(text, start)
-        except ValueError as exc:
-            raise APIError(
-                400, f"The `{PROMPT_SCRIPT_MARKER}` script in the prompt is not JSON: {exc}"
-            ) from exc
-        return value
-    return None
-
-
-def _seed(body: dict[str, Any], prompt_ids: Sequence[int]) -> int:
-    seed = body.get("seed")
-    if isinstance(seed, int) and not isinstance(seed, bool):
-        return seed
-    digest = hashlib.blake2b(orjson.dumps(list(prompt_ids)), digest_size=8).digest()
-    return int.from_bytes(digest, "big")
-
-
 def _opens_think(text: str) -> bool:
     stripped = text.rstrip()
     return stripped.endswith("<think>")
-
-
-@dataclass(frozen=True)
-class StopHit:
-    """Where a stop string ends the output (vLLM ``Detokenizer.update``)."""
-
-    stop: str
-    num_tokens: int
-    """Tokens kept: up to and including the one that completes the stop string."""
-    text_len: int
-    """The output text is cut here, before the stop string."""
-
-
-def _stop_strings(body: dict[str, Any]) -> list[str]:
-    stops = body.get("stop")
-    if stops is None:
-        return []
-    if isinstance(stops, str):
-        stops = [stops]
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise APIError(400, "`stop` must be a string or a list of strings.", param="stop")
-    return [s for s in stops if s]
-
-
-def _find_stop(
-    tok: ChatTokenizer, ids: list[int], stops: list[str], min_tokens: int
-) -> StopHit | None:
-    """The stop string that completes first in the text after the first ``min_tokens`` tokens
-    (ties: list order). vLLM keeps the token that completes it and cuts the text before it."""
-    pieces = token_pieces(tok, ids)
-    if min_tokens >= len(pieces):
-        return None
-    text = "".join(pieces)
-    ends = list(accumulate(len(p) for p in pieces))
-    floor = ends[min_tokens - 1] if min_tokens > 0 else 0
-    best: tuple[int, int, str] | None = None  # (end, start, stop)
-    for s in stops:
-        start = text.find(s, max(0, floor - len(s) + 1))
-        if start >= 0 and (best is None or start + len(s) < best[0]):
-            best = (start + len(s), start, s)
-    if best is None:
-        return None
-    end, start, stop = best
-    return StopHit(stop, bisect_left(ends, end) + 1, start)
 
 
 def _int_field(body: dict[str, Any], *names: str) -> int | None:
@@ -453,7 +339,7 @@ def _plan(r: SimRenderer, body: dict[str, Any], *, chat: bool, request_id: str) 
         prompt_ends_in_think=ends_in_think,
         min_tokens=min_tokens,
     )
-    script = _script(body, r.config.prompt_scripts)
+    script = request_script(body, r.config.prompt_scripts)
     if stop is None and script is not None and script.finish_reason == "length":
         # The engine reports ``length`` when it stops at its limit: make the script's end one.
         if max_tokens is not None:
@@ -492,7 +378,7 @@ def _plan(r: SimRenderer, body: dict[str, Any], *, chat: bool, request_id: str) 
         prompt_ends_in_think=ends_in_think,
         remote_cached_tokens=remote_cached,
         thinking=thinking,
-        seed=_seed(body, prompt_ids),
+        seed=output_seed(body, prompt_ids),
         tool_choice="none" if tool_choice == "none" else "auto",
         stop=stop,
     )
@@ -530,19 +416,3 @@ def plan_completion(r: SimRenderer, body: dict[str, Any], base_id: str | None) -
 
 def _request_id(prefix: str, base: str | None) -> str:
     return f"{prefix}-{base or uuid.uuid4().hex}-{uuid.uuid4().hex[:8]}"
-
-
-def token_pieces(tok: ChatTokenizer, ids: Sequence[int]) -> list[str]:
-    """Each token's text as vLLM's incremental detokenizer releases it: a sliding window, and
-    an incomplete UTF-8 character held back until it completes."""
-    pieces: list[str] = []
-    prefix_offset = read_offset = 0
-    for k in range(1, len(ids) + 1):
-        prefix_text = tok.decode(ids[prefix_offset:read_offset], skip_special_tokens=True)
-        new_text = tok.decode(ids[prefix_offset:k], skip_special_tokens=True)
-        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            pieces.append(new_text[len(prefix_text) :])
-            prefix_offset, read_offset = read_offset, k
-        else:
-            pieces.append("")
-    return pieces

@@ -7,20 +7,19 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import threading
-import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-import uvicorn
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.routing import Route
+
+from tests._support.threaded_server import serve_in_thread
 
 # hop-by-hop and framing headers, which the proxy's own server and client set
 _HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host"}
@@ -93,27 +92,6 @@ def _app(target: str, rec: Recorder) -> Starlette:
 @contextlib.contextmanager
 def recording_proxy(target: str) -> Iterator[tuple[str, Recorder]]:
     """A proxy to ``target`` (a root URL); yields its root URL and what it records."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     rec = Recorder()
-    config = uvicorn.Config(
-        _app(target, rec),
-        host="127.0.0.1",
-        port=port,
-        log_level="warning",
-        loop="asyncio",
-        http="h11",
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the proxy did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}", rec
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    with serve_in_thread(_app(target, rec), "the proxy", loop="asyncio", http="h11") as url:
+        yield url, rec

@@ -45,6 +45,15 @@ class Stack:
     def router(self) -> RouterProcess:
         return self.routers[0]
 
+    def router_config(self, backend: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A router configuration over these engines (``backend``: more of each one's settings),
+        16-token blocks."""
+        return {
+            "prefill": [{"url": p.url, **(backend or {})} for p in self.prefill],
+            "decode": [{"url": d.url, **(backend or {})} for d in self.decode],
+            "block_size": 16,
+        }
+
     def metrics(self, sim: SimProcess) -> dict[str, float]:
         return parse_metrics(httpx.get(f"{sim.url}/metrics", timeout=10).text)
 
@@ -66,16 +75,16 @@ class Stack:
 
 def exact(
     s: Stack,
-    conv: str,
+    conv: str | None,
     ids: list[int],
     *,
     salt: str | None = None,
     headers: Mapping[str, str] | None = None,
     **extra: Any,
 ) -> httpx.Response:
-    """One chat turn of conversation ``conv`` through the router whose prompt is exactly ``ids``
-    (``kv_transfer_params.prompt_token_ids``): 20 tokens, ``salt`` as its ``cache_salt``,
-    ``headers`` besides ``X-Conversation-Id``, ``extra`` in the body."""
+    """One chat turn of conversation ``conv`` (None: no ``X-Conversation-Id``) through the router
+    whose prompt is exactly ``ids`` (``kv_transfer_params.prompt_token_ids``): 20 tokens, ``salt``
+    as its ``cache_salt``, ``headers`` besides ``X-Conversation-Id``, ``extra`` in the body."""
     body: dict[str, Any] = {
         "model": MODEL,
         "messages": [{"role": "user", "content": "x"}],
@@ -89,9 +98,23 @@ def exact(
     return httpx.post(
         f"{s.router.url}/v1/chat/completions",
         json=body,
-        headers={"X-Conversation-Id": conv, **(headers or {})},
+        headers={**({"X-Conversation-Id": conv} if conv is not None else {}), **(headers or {})},
         timeout=60,
     )
+
+
+def chat_as(s: Stack, key: str, body: dict[str, Any]) -> tuple[httpx.Response, int]:
+    """``body`` sent to the router's chat completions with ``key`` as the bearer token, answered
+    200: the response and its usage's ``cached_tokens`` (0 when absent)."""
+    r = httpx.post(
+        f"{s.router.url}/v1/chat/completions",
+        json=body,
+        headers={"authorization": f"Bearer {key}"},
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+    cached = (r.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return r, int(cached)
 
 
 @contextlib.contextmanager
@@ -111,12 +134,7 @@ def stack(
     sims = start_sims(argvs)
     s = Stack(sims[: len(p_args)], sims[len(p_args) :])
     try:
-        cfg = {
-            "prefill": [{"url": p.url, **(backend or {})} for p in s.prefill],
-            "decode": [{"url": d.url, **(backend or {})} for d in s.decode],
-            "block_size": 16,
-            **(router or {}),
-        }
+        cfg = {**s.router_config(backend), **(router or {})}
         for _ in range(routers):
             s.routers.append(start_router(cfg, tmp))
         yield s

@@ -35,12 +35,7 @@ def edge(tmp_path_factory):
     uvicorn's httptools (the default when installed) and on its h11."""
     tmp = tmp_path_factory.mktemp("edge")
     with stack(tmp, routers=0) as s:
-        config = {
-            "prefill": [{"url": p.url} for p in s.prefill],
-            "decode": [{"url": d.url} for d in s.decode],
-            "block_size": 16,
-            "tenants": [{"name": "t", "api_keys": [KEY]}],
-        }
+        config = {**s.router_config(), "tenants": [{"name": "t", "api_keys": [KEY]}]}
         s.routers.append(start_router(config, tmp))
         s.routers.append(start_router({**config, "http_parser": "h11"}, tmp))
         yield s

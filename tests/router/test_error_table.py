@@ -15,7 +15,8 @@ import pytest
 
 from agentkv.protocol.names import RouterMetric
 from agentkv.protocol.promtext import parse_metrics
-from agentkv.router.store import MemoryStore, StoreKey, Taken
+from agentkv.router.memory_store import MemoryStore
+from agentkv.router.store import StoreKey, Taken
 from tests._support.inprocess_stack import InProcessStack, inprocess_stack
 
 pytestmark = pytest.mark.anyio

@@ -21,7 +21,7 @@ import agentkv
 from agentkv import procs
 from agentkv.protocol.promtext import parse_metrics
 from agentkv.sim.launch import free_port
-from tests._support.stack import RouterProcess, Stack, rss_mib, stack
+from tests._support.stack import RouterProcess, Stack, chat_as, rss_mib, stack
 from tests._support.stack import start_router as stack_router
 
 pytestmark = pytest.mark.e2e
@@ -55,20 +55,12 @@ def router_metrics(url: str) -> dict[str, float]:
     return {**parse_metrics(r.text, by="stage"), **parse_metrics(r.text, by="status")}
 
 
-def backends(s: Stack) -> dict[str, Any]:
-    return {
-        "prefill": [{"url": p.url} for p in s.prefill],
-        "decode": [{"url": d.url} for d in s.decode],
-        "block_size": 16,
-    }
-
-
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory):
     """No tenants, one admin key: the anonymous deployment, text logs at INFO."""
     tmp = tmp_path_factory.mktemp("plain")
     with stack(tmp, routers=0) as s:
-        s.routers.append(start_router({**backends(s), "admin_api_keys": [ADMIN]}, tmp))
+        s.routers.append(start_router({**s.router_config(), "admin_api_keys": [ADMIN]}, tmp))
         yield s
 
 
@@ -80,7 +72,7 @@ def tenants(tmp_path_factory):
     metrics_port = free_port()
     with stack(tmp, routers=0) as s:
         cfg = {
-            **backends(s),
+            **s.router_config(),
             "tenants": TENANTS,
             "admin_api_keys": [ADMIN],
             "salt_secret": "test-secret",
@@ -288,7 +280,7 @@ def test_absurd_token_ids_and_epochs_are_400_and_the_handle_stays(plain):
 
 def test_absurd_epoch_with_the_redis_store(tmp_path, redis_url):
     with stack(tmp_path, routers=0) as s:
-        s.routers.append(start_router({**backends(s), "store": redis_url}, tmp_path))
+        s.routers.append(start_router({**s.router_config(), "store": redis_url}, tmp_path))
         with agentkv.Client(base_url=f"{s.router.url}/v1", api_key="k") as c:
             conv = _one_turn(c, "hostile-ints-redis")
             answers = _bad_turns(s.router.url, conv.id)
@@ -347,14 +339,7 @@ def test_other_fields_the_router_reads_are_coerced_too(plain):
 def _cached(s: Stack, key: str, prompt: str, salt: str | None = None) -> int:
     body = chat_body(prompt, **({"cache_salt": salt} if salt else {}))
     body["messages"] = body["messages"][1:]  # the prompt alone: no shared system prefix
-    r = httpx.post(
-        f"{s.router.url}/v1/chat/completions",
-        json=body,
-        headers={"authorization": f"Bearer {key}"},
-        timeout=30,
-    )
-    assert r.status_code == 200, r.text
-    return int((r.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    return chat_as(s, key, body)[1]
 
 
 def test_every_tenant_is_salted_by_default(tenants):

@@ -23,9 +23,10 @@ from agentkv.protocol.promtext import parse_metrics
 from agentkv.router.config import RouterConfig
 from agentkv.router.guard import GuardedStore
 from agentkv.router.leases import Leases, MemoryLeases, RedisLeases
+from agentkv.router.memory_store import MemoryStore
 from agentkv.router.metrics import RouterMetrics
 from agentkv.router.retention import Retention
-from agentkv.router.store import MemoryStore, StoredHandle, StoreKey
+from agentkv.router.store import StoredHandle, StoreKey
 from tests._support.clock import FakeClock
 from tests._support.stack import MODEL, Stack, rss_mib, stack
 

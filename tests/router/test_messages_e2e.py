@@ -56,9 +56,7 @@ def pd(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("messages")
     with stack(tmp, p_args=NO_P_CACHE) as s:
         cfg = {
-            "prefill": [{"url": p.url} for p in s.prefill],
-            "decode": [{"url": d.url} for d in s.decode],
-            "block_size": 16,
+            **s.router_config(),
             "tenants": [{"name": "team-a", "api_keys": [TENANT_KEY]}],
         }
         s.routers.append(start_router(cfg, tmp))

@@ -287,17 +287,16 @@ def test_errors_in_openai_shape_and_no_handle_lost(pd: Stack) -> None:
 
 
 # -- the OpenAI Agents SDK, default setup (Responses) ------------------------------------------
-class _Scripted(httpx.AsyncBaseTransport):
-    """Adds the next simulator script to each ``/responses`` request; records the router's
-    decisions."""
+class _Scripts:
+    """Adds the next simulator script to each ``/responses`` request; records the bodies and
+    the router's decisions (for a transport of either kind)."""
 
     def __init__(self, scripts: list[dict[str, Any]]) -> None:
         self.scripts = scripts
         self.decisions: list[str] = []
         self.bodies: list[dict[str, Any]] = []
-        self.inner = httpx.AsyncHTTPTransport()
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+    def scripted(self, request: httpx.Request) -> httpx.Request:
         import json
 
         if request.url.path.endswith("/responses") and request.method == "POST":
@@ -307,10 +306,23 @@ class _Scripted(httpx.AsyncBaseTransport):
                 body["agentkv_sim"] = self.scripts.pop(0)
             headers = {k: v for k, v in request.headers.items() if k.lower() != "content-length"}
             request = httpx.Request(request.method, request.url, headers=headers, json=body)
-        response = await self.inner.handle_async_request(request)
+        return request
+
+    def answered(self, response: httpx.Response) -> httpx.Response:
         if DECISION in response.headers:
             self.decisions.append(response.headers[DECISION])
         return response
+
+
+class _Scripted(_Scripts, httpx.AsyncBaseTransport):
+    """:class:`_Scripts` for an asynchronous client."""
+
+    def __init__(self, scripts: list[dict[str, Any]]) -> None:
+        super().__init__(scripts)
+        self.inner = httpx.AsyncHTTPTransport()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        return self.answered(await self.inner.handle_async_request(self.scripted(request)))
 
     async def aclose(self) -> None:
         await self.inner.aclose()
@@ -364,29 +376,15 @@ def test_openai_agents_default_setup_two_turns(pd: Stack) -> None:
 
 
 # -- LangChain ChatOpenAI(use_responses_api=True) ----------------------------------------------
-class _ScriptedSync(httpx.BaseTransport):
-    """:class:`_Scripted` for a synchronous client."""
+class _ScriptedSync(_Scripts, httpx.BaseTransport):
+    """:class:`_Scripts` for a synchronous client."""
 
     def __init__(self, scripts: list[dict[str, Any]]) -> None:
-        self.scripts = scripts
-        self.decisions: list[str] = []
-        self.bodies: list[dict[str, Any]] = []
+        super().__init__(scripts)
         self.inner = httpx.HTTPTransport()
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
-        import json
-
-        if request.url.path.endswith("/responses") and request.method == "POST":
-            body = json.loads(request.content)
-            self.bodies.append(body)
-            if self.scripts:
-                body["agentkv_sim"] = self.scripts.pop(0)
-            headers = {k: v for k, v in request.headers.items() if k.lower() != "content-length"}
-            request = httpx.Request(request.method, request.url, headers=headers, json=body)
-        response = self.inner.handle_request(request)
-        if DECISION in response.headers:
-            self.decisions.append(response.headers[DECISION])
-        return response
+        return self.answered(self.inner.handle_request(self.scripted(request)))
 
     def close(self) -> None:
         self.inner.close()

@@ -12,7 +12,7 @@ import pytest
 
 from agentkv.protocol.promtext import parse_metrics
 from agentkv.router.session import SOURCES, conversation_of
-from tests._support.stack import MODEL, stack
+from tests._support.stack import MODEL, exact, stack
 
 UUID = "8a3c9f2e-51d4-4c1b-9d0e-2b7f6a1c3e55"
 OTHER = "1f0e2d3c-4b5a-6978-8796-a5b4c3d2e1f0"
@@ -79,20 +79,11 @@ def test_a_plain_client_with_a_harness_header_pulls(tmp_path: Path) -> None:
         for n, extra in enumerate(HARNESS_HEADERS):
             headers = {k: v.replace(UUID[:8], f"{n:08d}") for k, v in extra.items()}
             ids = [(n * 131 + i * 17) % 20_000 + 200 for i in range(300)]
-            body: dict[str, Any] = {
-                "model": MODEL,
-                "messages": [{"role": "user", "content": "x"}],
-                "max_tokens": 12,
-                "kv_transfer_params": {"prompt_token_ids": ids},
-                "return_token_ids": True,
-            }
-            url = f"{s.router.url}/v1/chat/completions"
-            first = httpx.post(url, json=body, headers=headers, timeout=60)
+            first = exact(s, None, ids, headers=headers, max_tokens=12)
             assert first.status_code == 200, first.text
             assert first.headers["x-agentkv-decision"] == "miss"
             out = first.json()["choices"][0]["token_ids"]
-            body["kv_transfer_params"] = {"prompt_token_ids": [*ids, *out, *range(500, 540)]}
-            second = httpx.post(url, json=body, headers=headers, timeout=60)
+            second = exact(s, None, [*ids, *out, *range(500, 540)], headers=headers, max_tokens=12)
             assert second.headers["x-agentkv-decision"] == "pull", (extra, second.headers)
             assert int(second.headers["x-agentkv-verified-prefix-tokens"]) >= len(ids)
         text = httpx.get(f"{s.router.url}/metrics", timeout=10).text

@@ -14,10 +14,10 @@ from dataclasses import dataclass, replace
 
 import pytest
 
+from agentkv.router.memory_store import MemoryStore
 from agentkv.router.redis_store import RedisStore
 from agentkv.router.store import (
     HandleStore,
-    MemoryStore,
     StoredHandle,
     StoreKey,
     make_store,

@@ -17,7 +17,7 @@ import pytest
 
 from agentkv.router.tenancy import derived_salt
 from agentkv.sim.launch import free_port, start_sims
-from tests._support.stack import MODEL, Stack, exact, stack, start_router
+from tests._support.stack import MODEL, Stack, chat_as, exact, stack, start_router
 
 pytestmark = pytest.mark.e2e
 
@@ -85,17 +85,10 @@ def ask(s: Stack, key: str, prompt: str, salt: str | None = None) -> tuple[int, 
     }
     if salt is not None:
         body["cache_salt"] = salt
-    r = httpx.post(
-        f"{s.router.url}/v1/chat/completions",
-        json=body,
-        headers={"authorization": f"Bearer {key}"},
-        timeout=30,
-    )
-    assert r.status_code == 200, r.text
-    cached = (r.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    r, cached = chat_as(s, key, body)
     # L is unknown (the receipt says estimated) until the router's index of P's cache is in
     # sync: from the first batch of P's events, which the first turn makes
-    return int(cached), int(r.headers.get("x-agentkv-local-prefix-tokens", -1))
+    return cached, int(r.headers.get("x-agentkv-local-prefix-tokens", -1))
 
 
 def long_prompt(tag: str) -> str:

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from agentkv.protocol.errors import APIError
 from agentkv.router.config import RouterConfig
-from agentkv.router.store import Bound, MemoryStore, StoredHandle
+from agentkv.router.memory_store import MemoryStore
+from agentkv.router.store import Bound, StoredHandle
 from agentkv.router.tenancy import (
     ANONYMOUS,
     Caller,

@@ -10,7 +10,6 @@ import itertools
 import logging
 import socket
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -20,7 +19,6 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -39,6 +37,7 @@ from agentkv._lease import (
     openai_http_settings,
 )
 from agentkv.protocol import HEADER_CONVERSATION_ID, HEADER_LEASE
+from tests._support.threaded_server import serve_in_thread
 
 
 class Conv:
@@ -304,25 +303,9 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     rec = Recorded()
-    config = uvicorn.Config(
-        recording_app(rec), host="127.0.0.1", port=port, log_level="warning", lifespan="off"
-    )
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not srv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "recording server did not start"
-        time.sleep(0.01)
-    try:
-        yield Server(f"http://127.0.0.1:{port}", rec)
-    finally:
-        srv.should_exit = True
-        thread.join(10)
+    with serve_in_thread(recording_app(rec), "recording server", lifespan="off") as url:
+        yield Server(url, rec)
 
 
 @pytest.fixture

@@ -226,7 +226,8 @@ def test_cpu_tiny_finds_what_setup_recorded(
 
 
 def test_demo_claims() -> None:
-    from agentkv.serve.demo import Row, check
+    from agentkv.serve.demo_agent import Row
+    from agentkv.serve.demo_report import check
 
     def rows(label: str, decisions: str, ttft: float, wrong: int = 0) -> list[Row]:
         out = []
@@ -253,7 +254,8 @@ def test_demo_tables_tell_the_truth_at_80_columns() -> None:
     wraps or is cut at 80 columns."""
     from rich.console import Console
 
-    from agentkv.serve.demo import Row, _print
+    from agentkv.serve.demo_agent import Row
+    from agentkv.serve.demo_report import print_tables
 
     def rows(label: str, ttft: list[float], decisions: str, wrong: list[int]) -> list[Row]:
         return [
@@ -270,7 +272,7 @@ def test_demo_tables_tell_the_truth_at_80_columns() -> None:
         "u", [187, 46, 43, 40, 40, 40], "miss pull pull pull pull pull", [0, 0, 0, 9, 9, 9]
     )
     console = Console(width=80, record=True, color_system=None)
-    _print(console, verified, naive, unverified)
+    print_tables(console, verified, naive, unverified)
     text = console.export_text()
     assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80
     compare = {line.split("  ")[0]: line.split() for line in text.splitlines()}
