@@ -35,7 +35,12 @@ def test_every_router_metric_is_in_the_metrics_table():
     from agentkv.router import create_app
 
     config = RouterConfig.model_validate(
-        {"prefill": [{"url": "http://127.0.0.1:1"}], "decode": [{"url": "http://127.0.0.1:2"}]}
+        {
+            "upstream": {
+                "prefill": [{"url": "http://127.0.0.1:1"}],
+                "decode": [{"url": "http://127.0.0.1:2"}],
+            }
+        }
     )
     registry = create_app(config).state.router.metrics.registry
     text = (DOCS / "router.md").read_text()

@@ -179,14 +179,14 @@ def test_invariants(name):
     assert len({p.name for p in procs}) == len(procs)
     # The router's configuration is valid and agrees with the engines.
     cfg = RouterConfig.model_validate(deployment.router_config)
-    assert cfg.block_size == profile.block_size
-    assert cfg.decoder_kv_blocks_ttl_s == profile.decoder_kv_blocks_ttl_s
+    assert cfg.upstream.block_size == profile.block_size
+    assert cfg.retention.decoder_kv_blocks_ttl_s == profile.decoder_kv_blocks_ttl_s
     assert cfg.router_ttl_s < profile.decoder_kv_blocks_ttl_s - 5
-    assert cfg.kv_recompute_threshold == profile.kv_recompute_threshold
-    assert [b.url for b in cfg.prefill] == [
+    assert cfg.upstream.kv_recompute_threshold == profile.kv_recompute_threshold
+    assert [b.url for b in cfg.upstream.prefill] == [
         p.health_url.removesuffix("/health") for p in procs if p.role == "prefill"
     ]
-    assert [b.url for b in cfg.decode] == [
+    assert [b.url for b in cfg.upstream.decode] == [
         p.health_url.removesuffix("/health") for p in procs if p.role == "decode"
     ]
     router = procs[-1]
