@@ -75,6 +75,7 @@ def router(**values: Any) -> None:
     from agentkv.router.settings import load_settings
     from agentkv.router.tracing import configure_opentelemetry
 
+    problem: str | None = None
     with warnings.catch_warnings(record=True) as caught:  # the file's deprecated keys
         warnings.simplefilter("always", DeprecationWarning)
         try:
@@ -87,8 +88,6 @@ def router(**values: Any) -> None:
             problem = one_line(exc, {})
             for loc, flag in _WHERE.items():
                 problem = problem.replace(f"{loc}:", f"{flag}:")
-        else:
-            problem = None
     for warning in caught:
         typer.echo(f"agentkv router: {warning.message}", err=True)
     if problem is not None:
