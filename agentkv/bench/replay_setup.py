@@ -175,7 +175,7 @@ def local_run(
     ``paths``: the routers' ``paths`` policy, ``choose``, ``pull`` or ``decode``, instead of
     the profile's)."""
     _check_client(client, lease)
-    options = {"paths": paths} if paths is not None else None
+    options = {"paths": {"mode": paths}} if paths is not None else None
     with contextlib.ExitStack() as stack:
         try:
             s = stack.enter_context(

@@ -89,15 +89,22 @@ def one_line(exc: Exception, flags: dict[str, str]) -> str:
 
 
 def load_profile(name: str) -> Any:
-    """A built-in profile or TOML file; exit 2 naming the problem."""
+    """A built-in profile or TOML file; exit 2 naming the problem (its deprecated keys said)."""
+    import warnings
+
     from agentkv.serve import ProfileError
     from agentkv.serve import load_profile as load
 
-    try:
-        return load(name)
-    except ProfileError as exc:
-        typer.echo(f"agentkv: {exc}", err=True)
-        raise typer.Exit(2) from exc
+    with warnings.catch_warnings(record=True) as caught:  # the profile's deprecated keys
+        warnings.simplefilter("always", DeprecationWarning)
+        try:
+            return load(name)
+        except ProfileError as exc:
+            typer.echo(f"agentkv: {exc}", err=True)
+            raise typer.Exit(2) from exc
+        finally:
+            for warning in caught:
+                typer.echo(f"agentkv: {name}: {warning.message}", err=True)
 
 
 def exit_on_sigterm() -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -224,6 +224,16 @@ class RetentionSettings(_Group):
         """How long the router uses a handle: D's TTL − the margin."""
         return self.decoder_kv_blocks_ttl_s - self.ttl_margin_s
 
+    def ttl_problem(self) -> str | None:
+        """What is wrong with the TTLs (the router must stop using a handle before D frees its
+        blocks), or None."""
+        if self.router_ttl_s > 0:
+            return None
+        return (
+            f"retention.ttl_margin_s ({self.ttl_margin_s:g}) must be below "
+            f"retention.decoder_kv_blocks_ttl_s ({self.decoder_kv_blocks_ttl_s:g})"
+        )
+
 
 class TenancySettings(_Group):
     """``[tenancy]``: API keys, tenants and their prefix-cache salts."""
@@ -343,6 +353,10 @@ class RouterConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
+    complete: ClassVar[bool] = True
+    """False in a part of a larger configuration (a profile's ``[router]``) that brings the
+    engines and D's TTL itself: they are not checked here."""
+
     upstream: UpstreamSettings = Field(default_factory=UpstreamSettings)
     """The engines, and how the router talks to them."""
     store: StoreSettings = Field(default_factory=StoreSettings)
@@ -390,18 +404,22 @@ class RouterConfig(BaseModel):
     @model_validator(mode="after")
     def _check_engines(self) -> RouterConfig:
         """At least one prefill and one decode instance."""
-        for role in ("prefill", "decode"):
-            if not getattr(self.upstream, role):
-                raise ValueError(f"upstream.{role}: at least one {role} instance is required")
+        if not self.complete:
+            return self
+        missing = [role for role in ("prefill", "decode") if not getattr(self.upstream, role)]
+        if missing:
+            raise ValueError("; ".join(f"upstream.{role}: required" for role in missing))
+        return self
+
+    @model_validator(mode="after")
+    def _check_ttl(self) -> RouterConfig:
+        problem = self.retention.ttl_problem()
+        if problem is not None and self.complete:
+            raise ValueError(problem)
         return self
 
     @model_validator(mode="after")
     def _check(self) -> RouterConfig:
-        if self.router_ttl_s <= 0:
-            raise ValueError(
-                f"retention.ttl_margin_s ({self.retention.ttl_margin_s}) must be below "
-                f"retention.decoder_kv_blocks_ttl_s ({self.retention.decoder_kv_blocks_ttl_s})"
-            )
         keys: set[str] = set()
         for tenant in self.tenancy.tenants:
             for key in tenant.api_keys:

@@ -132,8 +132,8 @@ def test_flags_old_spellings_and_the_file(tmp_path: Path) -> None:
     for argv, expected in [
         (["--http-port", "0"], "http.port"),
         (["--port", "0"], "http.port"),
-        (["--decoder-kv-blocks-ttl", "10"], "retention.ttl_margin_s (30.0) must be below"),
-        (["--retention-decoder-kv-blocks-ttl-s", "10"], "retention.ttl_margin_s (30.0)"),
+        (["--decoder-kv-blocks-ttl", "10"], "retention.ttl_margin_s (30) must be below"),
+        (["--retention-decoder-kv-blocks-ttl-s", "10"], "retention.ttl_margin_s (30)"),
         (["--store-max-entries", "0"], "store.max_entries"),
         (["--paths-mode", "sideways"], "'sideways'"),
     ]:
@@ -142,7 +142,7 @@ def test_flags_old_spellings_and_the_file(tmp_path: Path) -> None:
         assert expected in r.output, (argv, r.output)
     r = runner.invoke(cli, ["router"])
     assert r.exit_code == 2
-    assert "--prefill URL (or upstream.prefill in --config): at least one" in r.output
+    assert "--prefill URL (or upstream.prefill in --config): required" in r.output
 
 
 def test_an_old_flat_file_key_is_reported_by_the_cli(tmp_path: Path) -> None:
