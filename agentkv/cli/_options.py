@@ -243,14 +243,15 @@ def model_values(
     out: dict[str, Any] = {}
     for name, info in model.model_fields.items():
         param = _param_name(prefix, name)
-        value = values.get(param)
-        if value is None:
-            value = values.get(_ALIAS + param)
-        if values.get(_OFF + param):  # the --no-NAME switch
+        kind, optional, _, is_json = _shape(info.annotation)
+        switch = bool(prefix) and kind is bool and not optional  # False: a group's switch not given
+        given = (values.get(param), values.get(_ALIAS + param))
+        value = next((v for v in given if v is not None and not (switch and v is False)), None)
+        if values.get(_OFF + param) or values.get(_ALIAS + _OFF + param):  # --no-NAME
             value = False
         if value is None:
             continue
-        if _shape(info.annotation)[3] and isinstance(value, str):
+        if is_json and isinstance(value, str):
             flag = option_name(f"{prefix}_{name}" if prefix else name)
             try:
                 value = json.loads(value)
