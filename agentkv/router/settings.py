@@ -53,7 +53,7 @@ class _Aliases(PydanticBaseSettingsSource):
         return out
 
 
-class RouterSettings(BaseSettings, RouterConfig):
+class RouterConfigSources(BaseSettings, RouterConfig):
     """:class:`RouterConfig` read by pydantic-settings: keyword arguments (the flags), then the
     environment, then :attr:`file_data`."""
 
@@ -90,6 +90,6 @@ def load_settings(
     """The router's configuration: ``flags`` (nested: ``{"store": {"backend": …}}``) over the
     environment over the file at ``path`` (TOML, or JSON by its suffix) over the defaults."""
     file_data = migrate(read_file(path), stacklevel=2) if path is not None else {}
-    settings = type("RouterSettingsFromFile", (RouterSettings,), {"file_data": file_data})
+    settings = type("RouterConfigFromFile", (RouterConfigSources,), {"file_data": file_data})
     config: RouterConfig = settings(**dict(flags or {}))
     return config
