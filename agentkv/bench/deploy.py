@@ -57,7 +57,7 @@ class Stack:
     kv_recompute_threshold: int
     prefill_prefix_caching: bool
     identity_ttl_real_s: float = 0.0
-    """Real seconds the router keeps a conversation's token identity (``identity_ttl_s``)."""
+    """Real seconds the router keeps a conversation's token identity (``identity.ttl_s``)."""
 
     @property
     def engine_urls(self) -> tuple[str, ...]:
