@@ -2,10 +2,10 @@
 flags > environment > file > defaults (pydantic-settings' sources, merged group by group).
 
 The environment: ``AGENTKV_ROUTER_<GROUP>__<FIELD>`` (``AGENTKV_ROUTER_STORE__BACKEND``,
-``AGENTKV_ROUTER_UPSTREAM__RETRIES``; lists and tables as JSON), and the names documented before
-the groups (:data:`ENV_ALIASES`: ``AGENTKV_SALT_SECRET``), below the new names. A file's old flat
-keys are mapped onto the groups (:mod:`agentkv.router.config_legacy`, with a DeprecationWarning
-each)."""
+``AGENTKV_ROUTER_UPSTREAM__RETRIES``; lists and tables as JSON, ``null`` for None), and the
+names documented before the groups (:data:`ENV_ALIASES`: ``AGENTKV_SALT_SECRET``), below the
+new names. A file's old flat keys are mapped onto the groups
+(:mod:`agentkv.router.config_legacy`, with a DeprecationWarning each)."""
 
 from __future__ import annotations
 
@@ -61,6 +61,7 @@ class RouterConfigSources(BaseSettings, RouterConfig):
         env_prefix=ENV_PREFIX,
         env_nested_delimiter=ENV_NESTED_DELIMITER,
         case_sensitive=False,
+        env_parse_none_str="null",
         extra="forbid",
         use_attribute_docstrings=True,
     )

@@ -103,10 +103,14 @@ def test_precedence_flags_over_environment_over_file_over_defaults(
     assert [b.url for b in config.upstream.decode] == ["http://127.0.0.1:8200"]  # groups merge
 
 
-def test_environment_takes_json_for_lists(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_environment_takes_json_for_lists_null_for_none(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AGENTKV_ROUTER_UPSTREAM__PREFILL", json.dumps(ENGINES["prefill"]))
     monkeypatch.setenv("agentkv_router_upstream__decode", json.dumps(ENGINES["decode"]))
-    assert len(load_settings().upstream.decode) == 1
+    monkeypatch.setenv("AGENTKV_ROUTER_RETENTION__KV_PRESSURE_WATERMARK", "null")
+    monkeypatch.setenv("AGENTKV_ROUTER_IDENTITY__KEEP", "false")
+    config = load_settings()
+    assert len(config.upstream.decode) == 1
+    assert config.retention.kv_pressure_watermark is None and config.identity.keep is False
 
 
 def test_an_old_environment_name_is_an_alias_below_the_new_one(
