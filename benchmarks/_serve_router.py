@@ -28,7 +28,7 @@ def main(server: str, config: str) -> None:
         os.environ["AGENTKV_ROUTER_CONFIG"] = config
         argv = [
             *("--interface", "asgi", "--factory", "--workers", "1", "--loop", "uvloop"),
-            *("--host", cfg.host, "--port", str(cfg.port), "--log-level", "warning"),
+            *("--host", cfg.http.host, "--port", str(cfg.http.port), "--log-level", "warning"),
             "--no-ws",
             "benchmarks._serve_router:app",
         ]
@@ -38,8 +38,8 @@ def main(server: str, config: str) -> None:
     fast = server == "uvicorn"
     uvicorn.run(
         create_app(cfg),
-        host=cfg.host,
-        port=cfg.port,
+        host=cfg.http.host,
+        port=cfg.http.port,
         log_level="warning",
         access_log=False,
         loop="uvloop" if fast else "asyncio",

@@ -230,7 +230,7 @@ def main() -> None:
     )
     with one_p_one_d(SIM_ARGS) as engines:
         p, d = engines.p, engines.d
-        router = start_router(engines.router_config(store_max_entries=store_max), engines.logs)
+        router = start_router(engines.router_config(store={"max_entries": store_max}), engines.logs)
         engines.procs.append(router)
         pids = [p.process.pid, d.process.pid, router.pid]
         quiet = wait_quiet(pids, max_wait_s=args.wait_quiet)

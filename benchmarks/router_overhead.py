@@ -107,7 +107,7 @@ def d_blocks(longest: int) -> int:
     return 786_432 if longest > 32_000 else 262_144
 
 
-ROUTER_DEADLINES = {"decode_first_byte_timeout_s": 300.0, "prefill_deadline_s": 300.0}
+ROUTER_DEADLINES = {"decode_first_byte_timeout_s": 300.0, "prefill_deadline_s": 300.0}  # upstream
 """The router's deadlines, raised: at 128k tokens, c=8, on a loaded machine, D's first byte can
 take longer than the 30 s default, and the retry is a second P pass (vLLM's proxy waits
 without a limit)."""
@@ -369,7 +369,8 @@ def start_router(
 ) -> Proc:
     def argv(port: int) -> list[str]:
         path = logs / f"{name}-{port}.json"
-        path.write_text(json.dumps({**cfg, "host": "127.0.0.1", "port": port}))
+        http = {**cfg.get("http", {}), "host": "127.0.0.1", "port": port}
+        path.write_text(json.dumps({**cfg, "http": http}))
         if server == "cli":
             cmd = ["-m", "agentkv", "router", "--config", str(path), "--port", str(port)]
             return [*cmd, "--log-level", "warning"]
@@ -399,7 +400,8 @@ def memory_phase(
     with one_p_one_d(sim_args(ttl_s=ttl), sim_args(524_288, ttl)) as engines:
         p, d, logs = engines.p, engines.d, engines.logs
         cfg = engines.router_config(
-            decoder_kv_blocks_ttl_s=ttl, ttl_margin_s=10.0, **ROUTER_DEADLINES
+            retention={"decoder_kv_blocks_ttl_s": ttl, "ttl_margin_s": 10.0},
+            upstream=ROUTER_DEADLINES,
         )
         mat = Material(p.url, d.url, length)
         starters: list[tuple[str, str, Any]] = []
@@ -503,7 +505,8 @@ def main() -> None:
     with one_p_one_d(sim_args(), sim_args(d_blocks(max(lengths)))) as engines:
         p, d, logs, procs = engines.p, engines.d, engines.logs, engines.procs
         cfg = engines.router_config(
-            decoder_kv_blocks_ttl_s=D_TTL_S, ttl_margin_s=10.0, **ROUTER_DEADLINES
+            retention={"decoder_kv_blocks_ttl_s": D_TTL_S, "ttl_margin_s": 10.0},
+            upstream=ROUTER_DEADLINES,
         )
 
         def wanted(key: str) -> bool:
@@ -612,7 +615,8 @@ def profile(cfg: dict[str, Any], logs: Path, mat: Material) -> list[str]:
 
     def argv(port: int) -> list[str]:
         path = logs / f"profiled-{port}.json"
-        path.write_text(json.dumps({**cfg, "host": "127.0.0.1", "port": port}))
+        http = {**cfg.get("http", {}), "host": "127.0.0.1", "port": port}
+        path.write_text(json.dumps({**cfg, "http": http}))
         cmd = [spy, "record", "--format", "raw", "--rate", "200", "-o", str(out), "--"]
         cmd += [sys.executable, "-m", "agentkv", "router", "--config", str(path)]
         return [*cmd, "--port", str(port), "--log-level", "warning"]

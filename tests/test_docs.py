@@ -8,15 +8,26 @@ from typer.testing import CliRunner
 
 from agentkv.cli import app
 from agentkv.router.config import Backend, RouterConfig, Tenant
+from agentkv.router.config_legacy import FLAT_KEYS
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
 def test_every_router_option_is_in_the_reference():
     text = (DOCS / "configuration.md").read_text()
-    for model in (RouterConfig, Backend, Tenant):
+    for group, info in RouterConfig.model_fields.items():
+        for name in info.annotation.model_fields:  # type: ignore[union-attr]
+            assert f"| `{group}.{name}` |" in text, (group, name)
+    for model in (Backend, Tenant):
         for name in model.model_fields:
             assert f"| `{name}` |" in text, name
+
+
+def test_every_deprecated_flat_key_is_in_the_mapping_table():
+    text = (DOCS / "configuration.md").read_text()
+    table = text[text.index("| old key | new key |") :].split("\n\n")[0]
+    for old in FLAT_KEYS:
+        assert f"`{old}`" in table, old
 
 
 def test_every_sim_flag_is_in_the_simulator_doc():
@@ -35,7 +46,12 @@ def test_every_router_metric_is_in_the_metrics_table():
     from agentkv.router import create_app
 
     config = RouterConfig.model_validate(
-        {"prefill": [{"url": "http://127.0.0.1:1"}], "decode": [{"url": "http://127.0.0.1:2"}]}
+        {
+            "upstream": {
+                "prefill": [{"url": "http://127.0.0.1:1"}],
+                "decode": [{"url": "http://127.0.0.1:2"}],
+            }
+        }
     )
     registry = create_app(config).state.router.metrics.registry
     text = (DOCS / "router.md").read_text()

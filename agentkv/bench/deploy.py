@@ -57,7 +57,7 @@ class Stack:
     kv_recompute_threshold: int
     prefill_prefix_caching: bool
     identity_ttl_real_s: float = 0.0
-    """Real seconds the router keeps a conversation's token identity (``identity_ttl_s``)."""
+    """Real seconds the router keeps a conversation's token identity (``identity.ttl_s``)."""
 
     @property
     def engine_urls(self) -> tuple[str, ...]:
@@ -112,8 +112,8 @@ def local_stack(
     the simulator's template ``template`` unless the profile names one, and (``unverified``) a
     second router with vLLM's example-proxy policy on the same engines. ``decoder_ttl_s``
     replaces the profile's D TTL (trace seconds, e.g. a long one for leases);
-    ``router_options`` are more ``RouterConfig`` keys (real seconds)."""
-    from agentkv.router.config import RouterConfig
+    ``router_options`` are more ``RouterConfig`` keys, by group (``{"paths": {"mode": …}}``; real
+    seconds)."""
     from agentkv.serve import expand, load_profile
     from agentkv.serve.profiles import Profile
     from agentkv.serve.supervisor import Supervisor
@@ -123,25 +123,25 @@ def local_stack(
     base = load_profile(profile)
     if decoder_ttl_s is not None:
         base = base.model_copy(update={"decoder_kv_blocks_ttl_s": decoder_ttl_s})
-    data = base.model_dump()
+    data = base.model_dump(exclude_unset=True)  # what the profile set (the router refuses more)
+    for part in ("prefill", "decode", "router"):
+        data.setdefault(part, {})
+    router = data["router"]
     d_ttl, margin, _ = compressed_ttls(
-        base.decoder_kv_blocks_ttl_s, base.router.ttl_margin_s, time_scale
+        base.decoder_kv_blocks_ttl_s, base.router.retention.ttl_margin_s, time_scale
     )
     data["decoder_kv_blocks_ttl_s"] = d_ttl
     if decode_prefix_caching is not None:
         data["decode"]["prefix_caching"] = decode_prefix_caching
-    data["router"]["ttl_margin_s"] = margin
+    router.setdefault("retention", {})["ttl_margin_s"] = margin
     # token identity outlives the KV by its own TTL (trace seconds, compressed the same way)
-    options = data["router"].setdefault("options", {})
-    default = RouterConfig.model_fields["identity_ttl_s"].default
-    identity_ttl = options.get("identity_ttl_s", default)
-    options["identity_ttl_s"] = float(identity_ttl) * time_scale
-    if router_options:
-        data["router"]["options"] = {**data["router"].get("options", {}), **router_options}
+    router.setdefault("identity", {})["ttl_s"] = base.router.identity.ttl_s * time_scale
+    for group, values in (router_options or {}).items():
+        router[group] = {**router.get(group, {}), **values}
     taken: set[int] = set()
-    data["router"]["port"] = _free_range(1, taken)
+    router.setdefault("http", {})["port"] = _free_range(1, taken)
     for role in ("prefill", "decode"):
-        count = int(data[role]["count"])
+        count = base.group(role).count
         data[role]["base_port"] = _free_range(count, taken)
         data[role]["side_channel_base_port"] = _free_range(count, taken)
     if base.engine == "sim":
@@ -168,7 +168,8 @@ def local_stack(
         with contextlib.ExitStack() as stack:
             unverified_url = None
             if unverified:
-                config = dict(deployment.router_config, reuse_policy="unverified")
+                paths = {**deployment.router_config.get("paths", {}), "reuse_policy": "unverified"}
+                config = {**deployment.router_config, "paths": paths}
                 unverified_url = stack.enter_context(start_router(config)) + "/v1"
             yield Stack(
                 base_url=deployment.base_url,
@@ -178,12 +179,12 @@ def local_stack(
                 model=prof.served_model_name,
                 block_size=prof.block_size,
                 time_scale=time_scale,
-                router_ttl_s=base.decoder_kv_blocks_ttl_s - base.router.ttl_margin_s,
+                router_ttl_s=base.router_ttl_s,
                 decoder_ttl_s=float(base.decoder_kv_blocks_ttl_s),
                 decoder_ttl_real_s=float(d_ttl),
                 profile=base.name,
                 description=base.description,
                 kv_recompute_threshold=prof.kv_recompute_threshold,
                 prefill_prefix_caching=prof.prefill.prefix_caching,
-                identity_ttl_real_s=float(data["router"]["options"]["identity_ttl_s"]),
+                identity_ttl_real_s=float(router["identity"]["ttl_s"]),
             )

@@ -172,10 +172,10 @@ def local_run(
 ) -> Iterator[ReplayRun]:
     """Start ``profile`` for the run (with ``compare`` an unverified router beside agentkv's;
     with ``lease`` a second deployment whose D keeps blocks for ``lease.max_hold_s``;
-    ``paths``: the routers' ``paths`` policy, ``choose``, ``pull`` or ``decode``, instead of
+    ``paths``: the routers' ``paths.mode`` policy, ``choose``, ``pull`` or ``decode``, instead of
     the profile's)."""
     _check_client(client, lease)
-    options = {"paths": paths} if paths is not None else None
+    options = {"paths": {"mode": paths}} if paths is not None else None
     with contextlib.ExitStack() as stack:
         try:
             s = stack.enter_context(

@@ -151,7 +151,8 @@ def stack_settings(
 def lease_router_options(lease: LeaseParams, time_scale: float) -> dict[str, Any]:
     """Router keys for a lease deployment on a compressed clock: lapsed leases are looked for
     six times per (real) lease, so a lapse is noticed within a sixth of it."""
-    return {"lease_check_interval_s": max(0.02, min(0.5, lease.lease_s * time_scale / 6))}
+    interval = max(0.02, min(0.5, lease.lease_s * time_scale / 6))
+    return {"retention": {"lease_check_interval_s": interval}}
 
 
 def stack_target(stack: Stack, settings: ReplaySettings) -> PolicyTarget:

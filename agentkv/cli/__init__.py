@@ -17,16 +17,22 @@ __all__ = ["app", "command", "main"]
 
 
 class _Root(TyperGroup):
-    """The root command group; ``sim`` is built when it is asked for (listed first), so that
-    other commands do not import the simulator to generate its options."""
+    """The root command group; ``sim`` and ``router`` are built when they are asked for, so that
+    other commands do not import the simulator or the router to generate their options (``sim``
+    is listed first; ``router`` where its placeholder is registered)."""
 
-    lazy: ClassVar[dict[str, Callable[[], Any]]] = {"sim": sim.command}
+    lazy: ClassVar[dict[str, Callable[[], Any]]] = {"sim": sim.command, "router": router.command}
 
     def list_commands(self, ctx: Any) -> list[str]:
-        return [*self.lazy, *(n for n in super().list_commands(ctx) if n not in self.lazy)]
+        names = super().list_commands(ctx)
+        return [*(n for n in self.lazy if n not in names), *names]
 
     def get_command(self, ctx: Any, cmd_name: str) -> Any:
-        if cmd_name in self.lazy and cmd_name not in self.commands:
+        known = getattr(self.commands.get(cmd_name), "callback", None)
+        if cmd_name in self.lazy and getattr(known, "__wrapped__", known) in (
+            None,
+            router.placeholder,
+        ):
             self.commands[cmd_name] = tidy(self.lazy[cmd_name]())
         return super().get_command(ctx, cmd_name)
 
@@ -65,7 +71,7 @@ app.command("demo")(serve.demo)
 app.command("serve")(serve.serve)
 app.add_typer(serve.profiles_app, name="profiles")
 app.add_typer(serve.setup_app, name="setup")
-app.command("router")(router.router)
+app.command("router", help=router.HELP)(router.placeholder)  # listed here, built by _Root
 app.command("check-template")(check.check_template)
 app.add_typer(bench.bench_app, name="bench")
 app.command("plan")(plan.plan)

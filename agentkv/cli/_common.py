@@ -19,6 +19,8 @@ __all__ = [
     "load_profile",
     "one_line",
     "print_rows",
+    "single_command",
+    "unavailable_command",
 ]
 
 # Options and arguments that several commands take, with the same help.
@@ -35,6 +37,33 @@ def group(help: str) -> typer.Typer:
     """A command group (``agentkv bench …``): its help, and the list of its commands when it
     is given none."""
     return typer.Typer(help=help, no_args_is_help=True, rich_markup_mode="markdown")
+
+
+def single_command(name: str, func: Any, **settings: Any) -> Any:
+    """``func`` as the click command ``name`` (a command built when it is first asked for)."""
+    import typer.main
+
+    one = typer.Typer(rich_markup_mode="markdown", add_completion=False)
+    one.command(name, **settings)(func)
+    built = typer.main.get_command(one)
+    built.name = name
+    return built
+
+
+def unavailable_command(name: str, help: str, missing: ModuleNotFoundError) -> Any:
+    """A command that raises ``missing`` when it runs (``agentkv._main`` names the extra to
+    install), whatever its arguments: what a command needing an extra is without it."""
+
+    def unavailable(args: Annotated[list[str] | None, typer.Argument()] = None) -> None:
+        raise missing
+
+    unavailable.__doc__ = help
+    return single_command(
+        name,
+        unavailable,
+        context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+        add_help_option=False,
+    )
 
 
 def one_line(exc: Exception, flags: dict[str, str]) -> str:
@@ -55,20 +84,27 @@ def one_line(exc: Exception, flags: dict[str, str]) -> str:
             message = "required"
         elif err["type"] in ("literal_error", "enum"):
             message = f"{err.get('input')!r}: {message[0].lower()}{message[1:]}"
-        problems.append(f"{where}: {message}")
+        problems.append(f"{where}: {message}" if where else message)
     return "; ".join(problems)
 
 
 def load_profile(name: str) -> Any:
-    """A built-in profile or TOML file; exit 2 naming the problem."""
+    """A built-in profile or TOML file; exit 2 naming the problem (its deprecated keys said)."""
+    import warnings
+
     from agentkv.serve import ProfileError
     from agentkv.serve import load_profile as load
 
-    try:
-        return load(name)
-    except ProfileError as exc:
-        typer.echo(f"agentkv: {exc}", err=True)
-        raise typer.Exit(2) from exc
+    with warnings.catch_warnings(record=True) as caught:  # the profile's deprecated keys
+        warnings.simplefilter("always", DeprecationWarning)
+        try:
+            return load(name)
+        except ProfileError as exc:
+            typer.echo(f"agentkv: {exc}", err=True)
+            raise typer.Exit(2) from exc
+        finally:
+            for warning in caught:
+                typer.echo(f"agentkv: {name}: {warning.message}", err=True)
 
 
 def exit_on_sigterm() -> None:

@@ -8,6 +8,10 @@ help, the CLI's short text for it if it has one, else the first sentence of the 
 A ``Literal`` is passed as a string (the model validates it, so the error names the choices); a
 nested model, ``dict`` or ``list`` as JSON; a field with a ``default_factory`` (a random id) is
 unset unless given.
+
+A model of groups (``RouterConfig``: each field a model) gives ``--GROUP-FIELD`` options
+(:func:`group_parameters`), unset unless given so that a file and the environment show through,
+under one help heading per group; :func:`group_values` nests what was given.
 """
 
 from __future__ import annotations
@@ -24,11 +28,19 @@ import typer
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-__all__ = ["Flag", "model_values", "option_name", "with_model_options"]
+__all__ = [
+    "Flag",
+    "group_parameters",
+    "group_values",
+    "model_values",
+    "option_name",
+    "with_model_options",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 _SCALARS = (bool, int, float, str)
 _OFF = "no_"  # the parameter of a --no-NAME switch: no_NAME
+_ALIAS = "alias_"  # the parameter of an old name of a group's field: alias_GROUP__NAME
 
 
 @dataclass(frozen=True)
@@ -79,10 +91,23 @@ def _help(name: str, flag: Flag, description: str | None) -> str:
     return _first_sentence(_plain(description or "")) or f"{name.replace('_', ' ')}."
 
 
+def _param_name(prefix: str, name: str) -> str:
+    return f"{prefix}__{name}" if prefix else name
+
+
 def model_parameters(
-    model: type[BaseModel], flags: Mapping[str, Flag], *, skip: tuple[str, ...] = ()
+    model: type[BaseModel],
+    flags: Mapping[str, Flag],
+    *,
+    skip: tuple[str, ...] = (),
+    prefix: str = "",
+    unset: bool = False,
+    panel: str | None = None,
 ) -> list[inspect.Parameter]:
-    """One keyword-only parameter per field of ``model`` (those in ``skip`` left out)."""
+    """One keyword-only parameter per field of ``model`` (those in ``skip`` left out). With a
+    ``prefix`` (a group of a nested model): ``--PREFIX-NAME``, parameter ``PREFIX__NAME``. With
+    ``unset``: every option is unset unless given (so a file's or the environment's value shows
+    through), the model's default in its help."""
     unknown = set(flags) - set(model.model_fields)
     if unknown:
         raise ValueError(f"flags for fields {model.__name__} does not have: {sorted(unknown)}")
@@ -91,6 +116,7 @@ def model_parameters(
         if name in skip:
             continue
         flag = flags.get(name, Flag())
+        long = f"{prefix}_{name}" if prefix else name
         kind, optional, choices, is_json = _shape(info.annotation)
         help_text = _help(name, flag, info.description)
         if choices and flag.help is None:
@@ -101,22 +127,34 @@ def model_parameters(
             default = ...
         else:
             default = info.default
-        param = name
+        aliases = flag.aliases
+        if unset and aliases:  # hidden options of their own: the help's names stay one a line
+            help_text = f"{help_text} Also {', '.join(aliases)}."
+            aliases = ()
+        if unset and default not in (None, ...) and not (kind is bool and not optional):
+            help_text = f"{help_text} [default: {default}]"
+            default = None
+        param = _param_name(prefix, name)
         if kind is bool and not optional:
             # a switch, as vLLM's and the old hand-written flags are: typer's --x/--no-x pair
             # takes a second column that squeezes every flag's name in an 80-column help
             if default is True:
-                param, default = _OFF + name, False
-                decls = [flag.off or f"--no-{name.replace('_', '-')}", *flag.aliases]
+                param, default = _OFF + param, False
+                decls = [flag.off or f"--no-{long.replace('_', '-')}", *aliases]
                 if flag.help is None:
-                    help_text = f"Turn off {name}: {help_text}"
+                    help_text = f"Turn off {long}: {help_text}"
             else:
-                decls = [option_name(name), *flag.aliases]
-            option = typer.Option(*decls, help=help_text, show_default=False)
+                decls = [option_name(long), *aliases]
+            option = typer.Option(*decls, help=help_text, show_default=False, rich_help_panel=panel)
             shown: Any = bool
         else:
-            decls = [option_name(name), *flag.aliases]
-            option = typer.Option(*decls, help=help_text, metavar="JSON" if is_json else None)
+            decls = [option_name(long), *aliases]
+            option = typer.Option(
+                *decls,
+                help=help_text,
+                metavar="JSON" if is_json else None,
+                rich_help_panel=panel,
+            )
             shown = kind | None if (optional or default is None) else kind
         params.append(
             inspect.Parameter(
@@ -126,6 +164,46 @@ def model_parameters(
                 annotation=Annotated[shown, option],
             )
         )
+        if aliases != flag.aliases:
+            hidden = typer.Option(*flag.aliases, hidden=True, show_default=False)
+            params.append(
+                inspect.Parameter(
+                    _ALIAS + param,
+                    inspect.Parameter.KEYWORD_ONLY,
+                    default=default,
+                    annotation=Annotated[shown, hidden],
+                )
+            )
+    return params
+
+
+def _groups(model: type[BaseModel]) -> dict[str, type[BaseModel]]:
+    """The fields of ``model`` that are models themselves: its groups."""
+    out = {}
+    for name, info in model.model_fields.items():
+        kind = info.annotation
+        if isinstance(kind, type) and issubclass(kind, BaseModel):
+            out[name] = kind
+    return out
+
+
+def group_parameters(
+    model: type[BaseModel], flags: Mapping[str, Flag], *, skip: tuple[str, ...] = ()
+) -> list[inspect.Parameter]:
+    """The options of a model of groups (``RouterConfig``): ``--GROUP-FIELD`` for each field of
+    each group, unset unless given, listed under the group's heading. ``flags`` and ``skip``
+    name fields ``GROUP.FIELD``."""
+    groups = _groups(model)
+    unknown = {k.split(".", 1)[0] for k in [*flags, *skip]} - set(groups)
+    if unknown:
+        raise ValueError(f"flags for groups {model.__name__} does not have: {sorted(unknown)}")
+    params = []
+    for group, sub in groups.items():
+        own = {k.split(".", 1)[1]: f for k, f in flags.items() if k.startswith(group + ".")}
+        mine = tuple(k.split(".", 1)[1] for k in skip if k.startswith(group + "."))
+        about = _plain(model.model_fields[group].description or "")
+        panel = f"{group}: {about}" if about else group
+        params += model_parameters(sub, own, skip=mine, prefix=group, unset=True, panel=panel)
     return params
 
 
@@ -135,10 +213,13 @@ def with_model_options(
     *,
     skip: tuple[str, ...] = (),
     extra: Callable[..., Any] | None = None,
+    groups: bool = False,
 ) -> Callable[[F], F]:
-    """Decorate a ``**values`` command so that typer sees one option per field of ``model``,
-    then ``extra``'s parameters (options that are not fields)."""
-    params = model_parameters(model, flags, skip=skip)
+    """Decorate a ``**values`` command so that typer sees one option per field of ``model``
+    (``groups``: per field of each of its groups, :func:`group_parameters`), then ``extra``'s
+    parameters (options that are not fields)."""
+    make = group_parameters if groups else model_parameters
+    params = make(model, flags, skip=skip)
     if extra is not None:
         hints = typing.get_type_hints(extra, include_extras=True)
         for p in inspect.signature(extra).parameters.values():
@@ -152,22 +233,40 @@ def with_model_options(
     return decorate
 
 
-def model_values(model: type[BaseModel], values: Mapping[str, Any]) -> dict[str, Any]:
+def model_values(
+    model: type[BaseModel], values: Mapping[str, Any], *, prefix: str = ""
+) -> dict[str, Any]:
     """The options that set fields of ``model``, as the model takes them: unset (None) ones left
     out, so the model's defaults apply; JSON ones parsed (ValueError naming the flag)."""
     import json
 
     out: dict[str, Any] = {}
     for name, info in model.model_fields.items():
-        value = values.get(name)
-        if values.get(_OFF + name):  # the --no-NAME switch
+        param = _param_name(prefix, name)
+        kind, optional, _, is_json = _shape(info.annotation)
+        switch = bool(prefix) and kind is bool and not optional  # False: a group's switch not given
+        given = (values.get(param), values.get(_ALIAS + param))
+        value = next((v for v in given if v is not None and not (switch and v is False)), None)
+        if values.get(_OFF + param) or values.get(_ALIAS + _OFF + param):  # --no-NAME
             value = False
         if value is None:
             continue
-        if _shape(info.annotation)[3] and isinstance(value, str):
+        if is_json and isinstance(value, str):
+            flag = option_name(f"{prefix}_{name}" if prefix else name)
             try:
                 value = json.loads(value)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{option_name(name)} is not valid JSON: {exc}") from exc
+                raise ValueError(f"{flag} is not valid JSON: {exc}") from exc
         out[name] = value
+    return out
+
+
+def group_values(model: type[BaseModel], values: Mapping[str, Any]) -> dict[str, Any]:
+    """The options of :func:`group_parameters` that were given, nested as the model takes
+    them (``{"store": {"backend": …}}``)."""
+    out = {}
+    for group, sub in _groups(model).items():
+        given = model_values(sub, values, prefix=group)
+        if given:
+            out[group] = given
     return out

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
-from agentkv.cli._common import one_line
+from agentkv.cli._common import one_line, single_command, unavailable_command
 from agentkv.cli._options import Flag, model_values, with_model_options
 
 __all__ = ["HELP", "SIM_FLAGS", "command"]
@@ -115,17 +115,7 @@ def command() -> Any:
     try:
         from agentkv.sim import SimConfig
     except ModuleNotFoundError as exc:
-        missing = exc
-
-        def unavailable(args: Annotated[list[str] | None, typer.Argument()] = None) -> None:
-            raise missing
-
-        unavailable.__doc__ = HELP
-        return _command(
-            unavailable,
-            context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
-            add_help_option=False,
-        )
+        return unavailable_command("sim", HELP, exc)
 
     from agentkv.sim.costmodel import PRESETS
 
@@ -135,14 +125,4 @@ def command() -> Any:
     sim.__doc__ = HELP
     names = " | ".join(PRESETS)
     flags = {**SIM_FLAGS, "preset": Flag(f"Cost model preset: {names}.")}
-    return _command(with_model_options(SimConfig, flags, extra=_extra)(sim))
-
-
-def _command(func: Any, **settings: Any) -> Any:
-    import typer.main
-
-    one = typer.Typer(rich_markup_mode="markdown", add_completion=False)
-    one.command("sim", **settings)(func)
-    built = typer.main.get_command(one)
-    built.name = "sim"
-    return built
+    return single_command("sim", with_model_options(SimConfig, flags, extra=_extra)(sim))

@@ -79,7 +79,7 @@ def create_app(
 
     Args:
         config: backends and policies.
-        store: where handles live (default: from ``config.store``).
+        store: where handles live (default: from ``config.store.backend``).
         engine_client: makes the client of each engine (default: aiohttp's,
             :class:`~agentkv.router.http.AiohttpClient`; tests: a fake that reaches in-process
             engines).
@@ -92,22 +92,22 @@ def create_app(
         ("stage",),
         registry=metrics.registry,
     )
-    open_admin = not config.tenants and not config.admin_api_keys
+    open_admin = not config.tenancy.tenants and not config.tenancy.admin_api_keys
     """No tenants, no admin keys: everything is open, as before tenancy."""
-    head_limits = HeadLimits(config.max_header_bytes, config.max_headers)
+    head_limits = HeadLimits(config.http.max_header_bytes, config.http.max_headers)
     tenancy = Tenancy(config)
     tenant_for, is_admin = tenancy.tenant_for, tenancy.is_admin
     the_store = GuardedStore(
         store
         or make_store(
-            config.store,
-            max_entries=config.store_max_entries,
+            config.store.backend,
+            max_entries=config.store.max_entries,
             max_entries_per_tenant=config.tenant_bound,
-            per_conversation=config.handles_per_conversation,
+            per_conversation=config.store.handles_per_conversation,
             on_evict=EvictionReport(metrics),
         ),
-        failures_to_open=config.store_failures_to_open,
-        open_s=config.store_open_s,
+        failures_to_open=config.store.failures_to_open,
+        open_s=config.store.open_s,
         on_error=lambda op: metrics.store_errors.labels(op).inc(),
     )
     inner = the_store.inner
@@ -120,22 +120,22 @@ def create_app(
         RedisLedger(
             inner.client,
             prefix=inner.prefix,
-            per_conversation=config.identity_max_tokens_per_conversation,
-            branches=config.handles_per_conversation,
+            per_conversation=config.identity.max_tokens_per_conversation,
+            branches=config.store.handles_per_conversation,
             ttl_s=config.identity_keep_s,
         )
         if isinstance(inner, RedisStore)
         else MemoryLedger(
-            max_tokens=config.identity_max_tokens,
-            per_conversation=config.identity_max_tokens_per_conversation,
-            branches=config.handles_per_conversation,
+            max_tokens=config.identity.max_tokens,
+            per_conversation=config.identity.max_tokens_per_conversation,
+            branches=config.store.handles_per_conversation,
             ttl_s=config.identity_keep_s,
             clock=inner.clock if isinstance(inner, MemoryStore) else time.monotonic,
         )
     )
     identity = Identity(
         ledger,
-        enabled=config.keep_token_identity,
+        enabled=config.identity.keep,
         on_error=lambda op: metrics.store_errors.labels(op).inc(),
     )
     indexes, subscribers = kv_event_indexes(config)
@@ -161,9 +161,13 @@ def create_app(
                 log.warning("KV events of %s unavailable: %s", subscriber.endpoint, exc)
         metrics_server = (
             await _serve_metrics(
-                metrics_app, config.host, config.metrics_port, head_limits, config.http_parser
+                metrics_app,
+                config.http.host,
+                config.http.metrics_port,
+                head_limits,
+                config.http.parser,
             )
-            if config.metrics_port is not None
+            if config.http.metrics_port is not None
             else None
         )
         try:
@@ -181,7 +185,7 @@ def create_app(
         async def handler(request: Request) -> Response:
             # the key first: an unknown client does not get to send a body
             caller = tenant_for(request.headers.get("authorization"))
-            raw = await read_body(request, config.max_body_bytes)
+            raw = await read_body(request, config.http.max_body_bytes)
             headers = {k.lower(): v for k, v in request.headers.items()}
             req = parse_request(raw, headers, chat=chat, config=config, caller=caller)
             with extracted(headers):  # the client's traceparent: the parent of the turn's span
@@ -196,7 +200,7 @@ def create_app(
         answer and errors are converted by :func:`messages_api`)."""
         headers = with_api_key(request.headers)
         caller = tenant_for(headers.get("authorization"))
-        body = json_body(await read_body(request, config.max_body_bytes))
+        body = json_body(await read_body(request, config.http.max_body_bytes))
         chat = await chat_body(body, router, traits)
         req = parse_request(
             orjson.dumps(chat), headers, chat=True, config=config, caller=caller, session_body=body
@@ -208,7 +212,7 @@ def create_app(
         """The prompt length the engines would run for a Messages request (P's ``/tokenize``)."""
         headers = with_api_key(request.headers)
         caller = tenant_for(headers.get("authorization"))
-        body = json_body(await read_body(request, config.max_body_bytes))
+        body = json_body(await read_body(request, config.http.max_body_bytes))
         chat = await chat_body(body, router, traits, count_tokens=True)
         req = parse_request(orjson.dumps(chat), headers, chat=True, config=config, caller=caller)
         n = len(await router.prompt_ids(req))
@@ -219,12 +223,12 @@ def create_app(
 
         async def handler(request: Request) -> Response:
             tenant_for(request.headers.get("authorization"))
-            raw = await read_body(request, config.max_body_bytes)
+            raw = await read_body(request, config.http.max_body_bytes)
             for engine in [e for e in pool.prefill if e.healthy] or pool.prefill:
                 try:
                     r = await engine.client.post(path, raw)
                 except TransportError:
-                    engine.failed(config.eject_after_failures)
+                    engine.failed(config.upstream.eject_after_failures)
                     continue
                 return Response(r.body, status_code=r.status, media_type="application/json")
             raise APIError(503, f"No prefill instance answered {path}.")
@@ -344,7 +348,7 @@ def create_app(
         Route("/health", health, methods=["GET"]),
         Route("/v1/conversations/{conversation_id:path}", close, methods=["DELETE"]),
     ]
-    if config.metrics_port is None:
+    if config.http.metrics_port is None:
         routes.append(Route("/metrics", metrics_route, methods=["GET"]))
     app = Starlette(routes=routes, lifespan=lifespan, **router_error_handling(metrics, aborts))
     app.state.router = router
@@ -388,11 +392,11 @@ async def _json_object(request: Request) -> dict[str, Any]:
 def response_store(config: RouterConfig, handles: HandleStore) -> ResponseStore:
     """Stored responses (``previous_response_id``) in the handle store's backend."""
     if isinstance(handles, RedisStore):
-        return RedisResponses(handles.client, prefix=handles.prefix, ttl_s=config.responses_ttl_s)
+        return RedisResponses(handles.client, prefix=handles.prefix, ttl_s=config.responses.ttl_s)
     return MemoryResponses(
-        ttl_s=config.responses_ttl_s,
-        max_per_tenant=config.responses_max_per_tenant,
-        max_bytes_per_tenant=config.responses_max_bytes_per_tenant,
+        ttl_s=config.responses.ttl_s,
+        max_per_tenant=config.responses.max_per_tenant,
+        max_bytes_per_tenant=config.responses.max_bytes_per_tenant,
     )
 
 
@@ -402,11 +406,11 @@ def kv_event_indexes(
     """A prefix index and a subscriber for every P whose KV events are configured."""
     indexes: dict[str, PrefixIndex] = {}
     subscribers: list[KVEventSubscriber] = []
-    for backend in config.prefill:
+    for backend in config.upstream.prefill:
         events = backend.kv_events
         if events is None or not events.active:
             continue
-        index = PrefixIndex(config.block_size)
+        index = PrefixIndex(config.upstream.block_size)
         indexes[backend.url] = index
         subscribers.append(KVEventSubscriber.from_config(events, index, host=backend.host))
     return indexes, subscribers

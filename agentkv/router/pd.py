@@ -113,17 +113,19 @@ class Router:
         self.tokenizer = Tokenizer(config, pool, metrics)
         self.identity = identity or Identity(
             MemoryLedger(
-                max_tokens=config.identity_max_tokens,
-                per_conversation=config.identity_max_tokens_per_conversation,
-                branches=config.handles_per_conversation,
+                max_tokens=config.identity.max_tokens,
+                per_conversation=config.identity.max_tokens_per_conversation,
+                branches=config.store.handles_per_conversation,
                 ttl_s=config.router_ttl_s,
             ),
-            enabled=config.keep_token_identity,
+            enabled=config.identity.keep,
             on_error=lambda op: metrics.store_errors.labels(op).inc(),
         )
         self.local_prefix: dict[str, LocalPrefix] = dict(local_prefix or {})
         """P url -> its prefix index (only P's whose KV events the router reads)."""
-        self.relay = Relay(drain_timeout_s=config.drain_timeout_s, max_drains=config.max_drains)
+        self.relay = Relay(
+            drain_timeout_s=config.upstream.drain_timeout_s, max_drains=config.upstream.max_drains
+        )
         self.retention = Retention(
             config, store, leases or MemoryLeases(), pool.decode, self.release, metrics
         )
@@ -133,10 +135,12 @@ class Router:
             engine.on_new_identity.append(self._drop_handles_of_old)
         self._decode_by_url = {e.url: e for e in pool.decode}
         self._prefill_by_url = {e.url: e for e in pool.prefill}
-        self.curves = load_curves(config.path_costs)
+        self.curves = load_curves(config.paths.costs)
         self.in_flight = InFlight()
         """Each D's decode-in-place prompt tokens, until D's first bytes arrive."""
-        self._budget = DecodeBudget(config.decode_max_new_tokens, config.decode_tokens_in_flight)
+        self._budget = DecodeBudget(
+            config.paths.decode_max_new_tokens, config.paths.decode_tokens_in_flight
+        )
 
     # -- background work -------------------------------------------------------------------
     def _spawn(self, coro: Any) -> None:
@@ -219,7 +223,10 @@ class Router:
         for key in ("model", "cache_salt", "priority"):
             if key in req.body:
                 body[key] = req.body[key]
-        timeout = cfg.prefill_deadline_s + len(ids) / 1000 * cfg.prefill_deadline_per_1k_tokens_s
+        timeout = (
+            cfg.upstream.prefill_deadline_s
+            + len(ids) / 1000 * cfg.upstream.prefill_deadline_per_1k_s
+        )
         engine.outstanding_tokens += len(ids)
         started = time.perf_counter()
         try:
@@ -239,7 +246,7 @@ class Router:
             return core.PrefillTimedOut()
         except TransportError:
             self.metrics.upstream_errors.labels("prefill", "connect").inc()
-            engine.failed(cfg.eject_after_failures)
+            engine.failed(cfg.upstream.eject_after_failures)
             return core.PrefillUnreachable()
         finally:
             engine.outstanding_tokens -= len(ids)
@@ -254,7 +261,9 @@ class Router:
         if r.status < 500 and r.status != 429:
             return core.PrefillRefused(r.status, r.body)
         if not action.attached or r.status == 429:
-            engine.failed(cfg.eject_after_failures)  # a failed read is the handle's, not P's
+            engine.failed(
+                cfg.upstream.eject_after_failures
+            )  # a failed read is the handle's, not P's
         return core.PrefillFailed(r.status)
 
     # -- a turn -------------------------------------------------------------------------------
@@ -317,10 +326,10 @@ class Router:
                     self.metrics.released.labels(action.releases).inc()
             return taken
         elif isinstance(action, core.Restore):
-            taken, ttl = action.taken, cfg.decoder_kv_blocks_ttl_s
+            taken, ttl = action.taken, cfg.retention.decoder_kv_blocks_ttl_s
             return await store.put(action.key, taken.handle, ttl, age_s=taken.age_s)
         elif isinstance(action, core.Store):
-            return await store.put(action.key, action.handle, cfg.decoder_kv_blocks_ttl_s)
+            return await store.put(action.key, action.handle, cfg.retention.decoder_kv_blocks_ttl_s)
         elif isinstance(action, core.Release):
             self._spawn(self._release_after(action, turn.first if turn else None))
         elif isinstance(action, core.Retry):
@@ -354,8 +363,8 @@ class Router:
                 req.conversation_id,
                 action.prompt,
                 req.cache_salt,
-                block_size=self.config.block_size,
-                cap_tokens=self.config.affinity_max_outstanding_tokens,
+                block_size=self.config.upstream.block_size,
+                cap_tokens=self.config.upstream.affinity_max_in_flight,
                 need_bidirectional=action.bidirectional,
             )
             return None if engine is None else core.PrefillChoice(engine.url, local)
@@ -401,7 +410,7 @@ class Router:
                 engine.failed(1)  # a stalled engine: out of rotation until its check passes
             else:
                 engine.suspect()  # unreachable: it may come back as another engine
-                engine.failed(self.config.eject_after_failures)
+                engine.failed(self.config.upstream.eject_after_failures)
             self.metrics.upstream_errors.labels("decode", kind).inc()
             return core.DecodeFailed("deadline" if kind == "first_byte" else "unreachable")
         if upstream.status != 200:
@@ -410,7 +419,7 @@ class Router:
             engine.outstanding_requests -= 1
             self.metrics.upstream_errors.labels("decode", str(upstream.status)).inc()
             if upstream.status >= 500 or upstream.status == 429:
-                engine.failed(self.config.eject_after_failures)
+                engine.failed(self.config.upstream.eject_after_failures)
                 return core.DecodeFailed()
             return core.DecodeRefused(upstream.status, content)
         engine.identify(upstream.headers.get(HEADER_SIM_ENGINE_ID))
@@ -424,7 +433,7 @@ class Router:
             try:
                 data = orjson.loads(await upstream.read())
             except (TransportError, orjson.JSONDecodeError):
-                engine.failed(self.config.eject_after_failures)
+                engine.failed(self.config.upstream.eject_after_failures)
                 return core.DecodeFailed()
             finally:
                 await upstream.aclose()
@@ -463,7 +472,7 @@ class Router:
             )
             if outcome.failed:
                 self.metrics.upstream_errors.labels("decode", "stream").inc()
-                engine.failed(self.config.eject_after_failures)
+                engine.failed(self.config.upstream.eject_after_failures)
             elif outcome.abandoned:
                 self.metrics.abandoned.labels("drained" if outcome.drained else "aborted").inc()
             elif not outcome.done:

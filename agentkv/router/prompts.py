@@ -58,16 +58,20 @@ class Tokenizer:
     async def ask(self, path: str, body: dict[str, Any]) -> Any:
         """The JSON answer of a tokenizing instance (``tokenize_with``) to ``POST path``, tried
         on ``retries`` more when one fails; its 4xx is the client's error."""
-        engines = self.pool.prefill if self.config.tokenize_with == "prefill" else self.pool.decode
+        engines = (
+            self.pool.prefill
+            if self.config.upstream.tokenize_with == "prefill"
+            else self.pool.decode
+        )
         candidates = [e for e in engines if e.healthy] or list(engines)
         last: Exception | None = None
-        tries = [candidates[i % len(candidates)] for i in range(self.config.retries + 1)]
+        tries = [candidates[i % len(candidates)] for i in range(self.config.upstream.retries + 1)]
         data = orjson.dumps(body)
         for engine in tries:
             try:
                 r = await engine.client.post(path, data)
             except TransportError as exc:
-                engine.failed(self.config.eject_after_failures)
+                engine.failed(self.config.upstream.eject_after_failures)
                 self.metrics.upstream_errors.labels("prefill", "tokenize").inc()
                 last = exc
                 continue

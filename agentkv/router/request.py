@@ -313,8 +313,8 @@ def parse_request(
     ``session_body``: the body as the client sent it, when ``raw`` is another API's request
     converted to Chat Completions (its session signals, such as Claude Code's
     ``metadata.user_id``, are read there)."""
-    if len(raw) > config.max_body_bytes:
-        raise APIError(413, f"Request body larger than {config.max_body_bytes} bytes.")
+    if len(raw) > config.http.max_body_bytes:
+        raise APIError(413, f"Request body larger than {config.http.max_body_bytes} bytes.")
     try:
         body = json_object(raw)
     except ValueError as exc:

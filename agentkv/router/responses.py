@@ -68,7 +68,7 @@ class ResponsesAPI:
         config = self.config
         caller = self.tenancy.tenant_for(request.headers.get("authorization"))
         tenant = caller.tenant
-        raw = await read_body(request, config.max_body_bytes)
+        raw = await read_body(request, config.http.max_body_bytes)
         try:
             body = json_object(raw)
         except ValueError as exc:

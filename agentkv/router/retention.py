@@ -87,7 +87,7 @@ class Retention:
 
     def start(self) -> None:
         self._tasks.spawn(self._leases_forever())
-        if self.config.kv_pressure_watermark is not None:
+        if self.config.retention.kv_pressure_watermark is not None:
             for engine in self.decode:
                 self._tasks.spawn(self._pressure_forever(engine))
 
@@ -101,7 +101,7 @@ class Retention:
         granted = min(seconds, self.config.router_ttl_s)
         try:
             [ok] = await self.leases.renew(
-                key[0], [key[1]], granted, limit=self.config.max_leases_per_tenant
+                key[0], [key[1]], granted, limit=self.config.retention.max_leases_per_tenant
             )
         except Exception as exc:  # a lease is a hint: a failure costs early release, no more
             log.warning("lease renewal failed: %s", exc)
@@ -126,7 +126,7 @@ class Retention:
         if not self.store.healthy:
             raise LeasesUnavailable("The handle store is unavailable: leases cannot be renewed.")
         keep = [c for c, h in zip(conversations, held, strict=True) if h]
-        limit = self.config.max_leases_per_tenant
+        limit = self.config.retention.max_leases_per_tenant
         try:
             renewed = iter(await self.leases.renew(tenant, keep, granted, limit=limit))
         except Exception as exc:
@@ -163,7 +163,7 @@ class Retention:
         """Release the handles of the conversations whose lease lapsed, batch after batch
         (round-robin across tenants, yielding between batches) until none is left or
         ``budget_s`` (default ``lease_check_interval_s``) has passed; how many handles."""
-        budget = self.config.lease_check_interval_s if budget_s is None else budget_s
+        budget = self.config.retention.lease_check_interval_s if budget_s is None else budget_s
         deadline = time.monotonic() + budget
         released = lapsed = 0
         while True:
@@ -193,7 +193,7 @@ class Retention:
         except TransportError:
             return 0
         usage = kv_usage(r.body.decode("utf-8", "replace")) if r.status == 200 else None
-        watermark = self.config.kv_pressure_watermark
+        watermark = self.config.retention.kv_pressure_watermark
         if usage is None or watermark is None or usage < watermark:
             return 0
         doomed = await self.store.take_oldest(engine.url, 0.1)
@@ -210,7 +210,7 @@ class Retention:
 
     async def _leases_forever(self) -> None:
         while True:
-            await asyncio.sleep(self.config.lease_check_interval_s)
+            await asyncio.sleep(self.config.retention.lease_check_interval_s)
             try:
                 await self.reap_leases()
             except Exception:  # a bug (store failures are misses): logged, the loop goes on
@@ -218,6 +218,6 @@ class Retention:
 
     async def _pressure_forever(self, engine: Upstream) -> None:
         while True:
-            await asyncio.sleep(self.config.health_interval_s)
+            await asyncio.sleep(self.config.upstream.health_interval_s)
             with contextlib.suppress(Exception):
                 await self.relieve(engine)

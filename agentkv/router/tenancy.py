@@ -173,9 +173,11 @@ class Tenancy:
     ``ValueError`` (at start-up) when that file cannot be made or read."""
 
     def __init__(self, config: RouterConfig, *, secret_file: Path | None = None) -> None:
-        self.enabled = bool(config.tenants)
-        secret = config.salt_secret
-        derives = [t for t in config.tenants if t.cache_salt is None and not t.share_prefix_cache]
+        self.enabled = bool(config.tenancy.tenants)
+        secret = config.tenancy.salt_secret
+        derives = [
+            t for t in config.tenancy.tenants if t.cache_salt is None and not t.share_prefix_cache
+        ]
         if derives and secret is None:
             path = secret_file or secret_path()
             secret = kept_secret(path)
@@ -187,7 +189,7 @@ class Tenancy:
                 path,
             )
         entries: list[tuple[str, Caller]] = []
-        for tenant in config.tenants:
+        for tenant in config.tenancy.tenants:
             if tenant.share_prefix_cache:
                 caller = Caller(tenant.name, shares=True)
             else:
@@ -197,7 +199,7 @@ class Tenancy:
                     assert secret is not None  # resolved above: this tenant derives its salt
                     caller = Caller(tenant.name, derived_salt(tenant.name, secret))
             entries += [(key, caller) for key in tenant.api_keys]
-        entries += [(key, ADMIN) for key in config.admin_api_keys]
+        entries += [(key, ADMIN) for key in config.tenancy.admin_api_keys]
         self._keys = KeyTable(entries)
 
     def caller(self, authorization: str | None) -> Caller | None:

@@ -220,19 +220,20 @@ class EnginePool:
         def client(b: Backend, *, health: bool = False) -> EngineClient:
             # keep-alive shorter than the engines' (uvicorn's 5 s), so the router never reuses a
             # connection the engine is closing
-            size = 2 if health else config.upstream_max_connections
+            size = 2 if health else config.upstream.max_connections
             pool = Pool(
-                timeout_s=10.0 if health else config.request_timeout_s,
+                timeout_s=10.0 if health else config.upstream.request_timeout_s,
                 max_connections=size,
-                keepalive_s=config.upstream_keepalive_s,
+                keepalive_s=config.upstream.keepalive_s,
             )
             return connect(b.url, pool)
 
         self.prefill = [
-            Upstream("prefill", b, client(b), client(b, health=True)) for b in config.prefill
+            Upstream("prefill", b, client(b), client(b, health=True))
+            for b in config.upstream.prefill
         ]
         self.decode = [
-            Upstream("decode", b, client(b), client(b, health=True)) for b in config.decode
+            Upstream("decode", b, client(b), client(b, health=True)) for b in config.upstream.decode
         ]
         self._tasks = TaskSet()
         self.served_model: str | None = None
@@ -244,7 +245,7 @@ class EnginePool:
         return [*self.prefill, *self.decode]
 
     async def check(self, engine: Upstream) -> bool:
-        timeout = min(5.0, self.config.health_interval_s * 2)
+        timeout = min(5.0, self.config.upstream.health_interval_s * 2)
         try:
             r = await engine.health.get("/health", timeout=timeout)
             good = r.status == 200
@@ -259,7 +260,7 @@ class EnginePool:
                 await self._read_models(engine, timeout)
         else:
             engine.suspect()
-            engine.failed(1 if not engine.healthy else self.config.eject_after_failures)
+            engine.failed(1 if not engine.healthy else self.config.upstream.eject_after_failures)
         return good
 
     async def _read_models(self, engine: Upstream, timeout: float) -> None:
@@ -282,7 +283,7 @@ class EnginePool:
     async def _watch(self, engine: Upstream) -> None:
         while True:
             await self.check(engine)
-            await asyncio.sleep(self.config.health_interval_s)
+            await asyncio.sleep(self.config.upstream.health_interval_s)
 
     def start(self) -> None:
         for engine in self.all:
@@ -307,12 +308,14 @@ async def release(
         "max_tokens": 1,
         "kv_transfer_params": params.to_wire(),
     }
-    for _attempt in range(config.retries + 1):
+    for _attempt in range(config.upstream.retries + 1):
         engine = pick_prefill(pool.prefill, None, cap_tokens=1 << 62, need_bidirectional=True)
         if engine is None:
             return False
         try:
-            r = await engine.client.post("/v1/completions", body, timeout=config.prefill_deadline_s)
+            r = await engine.client.post(
+                "/v1/completions", body, timeout=config.upstream.prefill_deadline_s
+            )
         except TransportError:
             on_error()
             continue
@@ -331,7 +334,9 @@ def first_byte_deadline(
     tokens (the client's ``max_tokens``, if an int): a stream's first chunk, or a non-streamed
     answer whole (vLLM sends its headers with the body)."""
     if relay:
-        return config.decode_first_byte_timeout_s
+        return config.upstream.decode_first_byte_timeout_s
     if not isinstance(most, int):
         most = max(1, (engine.max_model_len or n + 32_768) - n)
-    return config.decode_first_byte_timeout_s + most * config.decode_token_timeout_s
+    return (
+        config.upstream.decode_first_byte_timeout_s + most * config.upstream.decode_token_timeout_s
+    )

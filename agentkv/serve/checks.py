@@ -201,16 +201,17 @@ def _module_problems(profile: Profile, found: Callable[[str], bool]) -> list[str
             f"{'the router and simulator need' if profile.engine == 'sim' else 'the router needs'} "
             f"{', '.join(missing)}: pip install 'vllm-agentkv[serve]'"
         )
-    if profile.router.store.startswith(("redis://", "rediss://", "unix://")) and not found("redis"):
+    backend = profile.router.store.backend
+    if backend.startswith(("redis://", "rediss://", "unix://")) and not found("redis"):
         problems.append(
-            f"router.store is {profile.router.store!r} but the package 'redis' is missing: "
+            f"router.store.backend is {backend!r} but the package 'redis' is missing: "
             "pip install 'vllm-agentkv[serve,redis]'"
         )
     return problems
 
 
 def _port_problems(profile: Profile, free: Callable[[int], bool]) -> list[str]:
-    wanted = [(profile.router.port, "router")]
+    wanted = [(profile.router.http.port, "router")]
     for inst in instances(profile):
         wanted.append((inst.port, f"{inst.name} HTTP"))
         if profile.engine == "vllm":

@@ -56,12 +56,13 @@ def _running(deployment: Deployment) -> Deployment:
         health = httpx.get(f"{url}/health", timeout=3).json()
     except (httpx.HTTPError, ValueError):
         return deployment
-    config = dict(deployment.router_config)
+    upstream = dict(deployment.router_config.get("upstream") or {})
     for role in ("prefill", "decode"):
         urls = list(health.get(role) or {}) if isinstance(health, dict) else []
         if not urls:
             return deployment  # not shown (an admin key is needed): the profile's
-        config[role] = [{"url": u} for u in urls]
+        upstream[role] = [{"url": u} for u in urls]
+    config = {**deployment.router_config, "upstream": upstream}
     return dataclasses.replace(deployment, router_config=config)
 
 
@@ -82,7 +83,7 @@ def _backend(profile: str = "local", port: int | None = None) -> Iterator[tuple[
     except ProfileError as exc:
         raise DemoError(str(exc)) from None
     deployment = expand(prof)
-    where = f"127.0.0.1:{prof.router.port}"
+    where = f"127.0.0.1:{prof.router.http.port}"
     hint = "stop it, or run agentkv demo --port N with a free port"
     found = probe_router(deployment.base_url.removesuffix("/v1"))
     if found == "agentkv":
@@ -92,10 +93,10 @@ def _backend(profile: str = "local", port: int | None = None) -> Iterator[tuple[
         raise DemoError(f"agentkv's router on {where} has no healthy engines: {hint}")
     if found != "none":
         raise DemoError(f"{where} is taken by {found}: {hint}")
-    if not port_free(prof.router.port):
-        raise DemoError(f"port {prof.router.port} is in use: {hint}")
+    if not port_free(prof.router.http.port):
+        raise DemoError(f"port {prof.router.http.port} is in use: {hint}")
     if check_runtime(prof):  # engine ports taken (e.g. another deployment): move the engines
-        prof = with_ports(prof, base_port=_free_base(engine_ports(prof), prof.router.port))
+        prof = with_ports(prof, base_port=_free_base(engine_ports(prof), prof.router.http.port))
         problems = check_runtime(prof)
         if problems:
             raise DemoError("; ".join(problems))
@@ -115,7 +116,8 @@ def _backend(profile: str = "local", port: int | None = None) -> Iterator[tuple[
 @contextlib.contextmanager
 def _unverified_router(deployment: Deployment) -> Iterator[str]:
     """A second router on the same engines with the example proxy's policy."""
-    config = dict(deployment.router_config, reuse_policy="unverified")
+    paths = {**deployment.router_config.get("paths", {}), "reuse_policy": "unverified"}
+    config = {**deployment.router_config, "paths": paths}
     try:
         router = start_router(config, timeout_s=30)
     except ProcessError as exc:

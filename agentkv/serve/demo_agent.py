@@ -111,8 +111,8 @@ class Backend:
 
     def __init__(self, deployment: Deployment) -> None:
         self.base_url = deployment.base_url
-        config = deployment.router_config
-        self.engines = [str(e["url"]) for role in ("prefill", "decode") for e in config[role]]
+        upstream = deployment.router_config["upstream"]
+        self.engines = [str(e["url"]) for role in ("prefill", "decode") for e in upstream[role]]
 
     def wrong_kv(self) -> int:
         total = 0.0

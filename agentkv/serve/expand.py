@@ -344,26 +344,40 @@ def router_config(
         if events is not None:
             backend["kv_events"] = events
         prefill.append(backend)
-    config: dict[str, Any] = {
-        "prefill": prefill,
-        "decode": [
-            {
-                "url": u,
-                "bidirectional": profile.bidirectional,
-                "handle_on_stream": profile.compat != "0.32",
-            }
-            for u in decode_urls
-        ],
-        "host": host,
-        "port": profile.router.port,
-        "block_size": profile.block_size,
-        "decoder_kv_blocks_ttl_s": profile.decoder_kv_blocks_ttl_s,
-        "ttl_margin_s": profile.router.ttl_margin_s,
-        "kv_recompute_threshold": profile.kv_recompute_threshold,
-        "store": store if store is not None else profile.router.store,
-        **profile.router.options,
-    }
+    decode = [
+        {
+            "url": u,
+            "bidirectional": profile.bidirectional,
+            "handle_on_stream": profile.compat != "0.32",
+        }
+        for u in decode_urls
+    ]
     from agentkv.router.config import RouterConfig
+
+    router = profile.router
+    given = router.model_dump(exclude_unset=True, exclude={"replicas", "env"})
+    owned: dict[
+        str, dict[str, Any]
+    ] = {  # what the engines get too (ROUTER_OWNED), and the keys every deployment shows
+        "upstream": {
+            "prefill": prefill,
+            "decode": decode,
+            "block_size": profile.block_size,
+            "kv_recompute_threshold": profile.kv_recompute_threshold,
+        },
+        "retention": {
+            "decoder_kv_blocks_ttl_s": profile.decoder_kv_blocks_ttl_s,
+            "ttl_margin_s": router.retention.ttl_margin_s,
+        },
+        "http": {"host": host, "port": router.http.port},
+        "store": {"backend": store if store is not None else router.store.backend},
+    }
+    config: dict[str, Any] = {}
+    for group in RouterConfig.model_fields:  # the model's order; the profile's values first
+        values = owned.get(group, {})
+        values = {**values, **{k: v for k, v in given.get(group, {}).items() if k not in values}}
+        if values:
+            config[group] = values
     from agentkv.serve.profiles import format_validation_error
 
     try:
@@ -415,11 +429,11 @@ def expand(profile: Profile, *, host: str = "127.0.0.1") -> Deployment:
                 "--host",
                 host,
                 "--port",
-                str(profile.router.port),
+                str(profile.router.http.port),
             ],
             env=router_env(profile),
-            port=profile.router.port,
-            health_url=f"{_url(host, profile.router.port)}/health",
+            port=profile.router.http.port,
+            health_url=f"{_url(host, profile.router.http.port)}/health",
             config_file=(ROUTER_CONFIG_FILE, json.dumps(config, indent=2) + "\n"),
         )
     )

@@ -221,7 +221,7 @@ def _router_objects(
         "metadata": _meta(f"{name}-config", namespace, labels),
         "data": {ROUTER_CONFIG_FILE: json.dumps(config, indent=2) + "\n"},
     }
-    port = profile.router.port
+    port = profile.router.http.port
     container: dict[str, Any] = {
         "name": "router",
         "image": profile.k8s.agentkv_image,

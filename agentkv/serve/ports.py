@@ -42,9 +42,11 @@ def with_ports(
     ``base_port`` (each left as it is when None). Raises :class:`ProfileError`."""
     if port is None and base_port is None:
         return profile
-    data: dict[str, Any] = profile.model_dump()
+    data: dict[str, Any] = profile.model_dump(exclude_unset=True)  # what the profile set
+    for group in ("prefill", "decode"):
+        data.setdefault(group, {})
     if port is not None:
-        data["router"]["port"] = port
+        data.setdefault("router", {}).setdefault("http", {})["port"] = port
     if base_port is not None:
         p, d = profile.prefill.count, profile.decode.count
         data["prefill"]["base_port"] = base_port

@@ -29,6 +29,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from agentkv.router.config import RetentionSettings
+from agentkv.serve.profile_router import ROUTER_OWNED, RouterSettings, nest_router
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
@@ -36,6 +39,7 @@ else:  # pragma: no cover - Python 3.10
 
 __all__ = [
     "P_EXPIRY_SAFETY_MARGIN_S",
+    "ROUTER_OWNED",
     "DecodeGroup",
     "Group",
     "Hardware",
@@ -210,25 +214,6 @@ class DecodeGroup(Group):
     """CPU offload of D's KV (``[decode.offload]``); off when absent."""
 
 
-class RouterSettings(_Model):
-    """``[router]``: agentkv's router in front of the engines."""
-
-    port: int = Field(8000, ge=1, le=65535)
-    """Where clients connect: ``http://HOST:PORT/v1``."""
-    ttl_margin_s: float = Field(30.0, gt=0)
-    """The router drops a handle this long before D frees its blocks (router TTL =
-    ``decoder_kv_blocks_ttl_s`` − margin); must exceed P's 5 s expiry safety margin."""
-    store: str = "memory"
-    """``memory`` or a ``redis://`` URL (Kubernetes rendering always uses its own Redis)."""
-    replicas: int = Field(1, ge=1)
-    """Router replicas (Kubernetes rendering; they share the Redis store)."""
-    env: dict[str, str] = Field(default_factory=dict)
-    """Environment of the router process."""
-    options: dict[str, Any] = Field(default_factory=dict)
-    """Any other ``RouterConfig`` key (``prefill_deadline_s``, ``retries``, ``tenants``, …);
-    the keys the profile sets itself are refused here."""
-
-
 class Hardware(_Model):
     """``[hardware]``: what the GPU machines look like."""
 
@@ -323,9 +308,15 @@ class Profile(_Model):
         return self.engine == "vllm" and self.device == "cuda"
 
     @property
+    def retention(self) -> RetentionSettings:
+        """The router's retention settings with this profile's D TTL."""
+        ttl = float(self.decoder_kv_blocks_ttl_s)
+        return self.router.retention.model_copy(update={"decoder_kv_blocks_ttl_s": ttl})
+
+    @property
     def router_ttl_s(self) -> float:
         """How long the router uses a handle after receiving it."""
-        return self.decoder_kv_blocks_ttl_s - self.router.ttl_margin_s
+        return self.retention.router_ttl_s
 
     @property
     def gpus_needed(self) -> int:
@@ -354,16 +345,16 @@ class Profile(_Model):
         return self
 
     def _check_ttl(self) -> list[str]:
-        margin, ttl = self.router.ttl_margin_s, self.decoder_kv_blocks_ttl_s
-        if margin >= ttl:
+        problem = self.retention.ttl_problem()
+        if problem is not None:  # the router's own rule, with this profile's D TTL
             return [
-                f"TTL order: router.ttl_margin_s ({margin:g}) must be below "
-                f"decoder_kv_blocks_ttl_s ({ttl}); the router must stop using a handle before D "
+                f"TTL order: router.{problem}; the router must stop using a handle before D "
                 "frees its blocks"
             ]
+        margin = self.retention.ttl_margin_s
         if margin <= P_EXPIRY_SAFETY_MARGIN_S:
             return [
-                f"TTL order: router.ttl_margin_s ({margin:g}) must exceed P's "
+                f"TTL order: router.retention.ttl_margin_s ({margin:g}) must exceed P's "
                 f"{P_EXPIRY_SAFETY_MARGIN_S:g} s expiry safety margin: P declines reads of "
                 "handles that close to D's TTL (vLLM 0.32 then never answers)"
             ]
@@ -438,7 +429,7 @@ class Profile(_Model):
         return problems
 
     def _check_ports(self) -> list[str]:
-        users: dict[int, str] = {self.router.port: "router (HTTP)"}
+        users: dict[int, str] = {self.router.http.port: "router (HTTP)"}
         problems: list[str] = []
 
         def claim(port: int, what: str) -> None:
@@ -471,25 +462,14 @@ class Profile(_Model):
         return problems
 
     def _check_router_options(self) -> list[str]:
-        owned = {
-            "prefill",
-            "decode",
-            "host",
-            "port",
-            "block_size",
-            "decoder_kv_blocks_ttl_s",
-            "ttl_margin_s",
-            "kv_recompute_threshold",
-            "store",
-        }
-        from agentkv.router.config import RouterConfig
-
         problems = []
-        for key in self.router.options:
-            if key in owned:
-                problems.append(f"router.options.{key} is set by the profile itself")
-            elif key not in RouterConfig.model_fields:
-                problems.append(f"unknown key 'router.options.{key}' (not a RouterConfig option)")
+        for group, names in ROUTER_OWNED.items():
+            given = getattr(self.router, group).model_fields_set
+            problems += [
+                f"router.{group}.{name} is set by the profile itself"
+                for name in names
+                if name in given
+            ]
         return problems
 
 
@@ -545,6 +525,8 @@ def _load_data(path: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
     if len(chain) >= _MAX_EXTENDS:
         raise ProfileError(f"profile {path}: 'extends' nests more than {_MAX_EXTENDS} deep")
     data = _read_toml(path)
+    if isinstance(data.get("router"), dict):
+        data["router"] = nest_router(data["router"])
     parent = data.pop("extends", None)
     if parent is None:
         return data

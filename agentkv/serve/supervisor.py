@@ -208,7 +208,8 @@ def start_router(
 
     def argv(port: int) -> list[str]:
         path = where / f"router-{port}.json"
-        path.write_text(json.dumps({**config, "port": port}))
+        http = {**dict(config.get("http") or {}), "port": port}
+        path.write_text(json.dumps({**config, "http": http}))
         cmd = [sys.executable, "-m", "agentkv", "router", "--config", str(path)]
         return [*cmd, "--port", str(port), "--log-level", log_level, *args]
 

@@ -31,6 +31,7 @@ from agentkv.sim.app import SimState
 from agentkv.sim.transfer import TransferClient
 from tests._support.clock import SharedClock
 from tests._support.engine_client import InProcessEngines
+from tests._support.router_config import router_data
 
 ROUTER_PORT = 8000
 P_PORT, D_PORT = 8100, 8200
@@ -131,20 +132,18 @@ async def inprocess_stack(
             )
             apps[port] = app
             sims[role].append(Sim(f"http://localhost:{port}", app.state.sim))
-    config = RouterConfig.model_validate(
-        {
-            "prefill": [{"url": s.url, **(backend or {})} for s in sims["prefill"]],
-            "decode": [{"url": s.url, **(backend or {})} for s in sims["decode"]],
-            "block_size": 16,
-            "health_interval_s": 0.5,
-            **(router or {}),
-        }
-    )
+    engines = {
+        "prefill": [{"url": s.url, **(backend or {})} for s in sims["prefill"]],
+        "decode": [{"url": s.url, **(backend or {})} for s in sims["decode"]],
+        "block_size": 16,
+        "health_interval_s": 0.5,
+    }
+    config = RouterConfig.model_validate(router_data({"upstream": engines}, router))
     store = store or make_store(
-        config.store,
-        max_entries=config.store_max_entries,
+        config.store.backend,
+        max_entries=config.store.max_entries,
         max_entries_per_tenant=config.tenant_bound,
-        per_conversation=config.handles_per_conversation,
+        per_conversation=config.store.handles_per_conversation,
         clock=clock.monotonic,
     )
     router_app = create_router(config, store=store, engine_client=InProcessEngines(apps))

@@ -14,6 +14,7 @@ from agentkv.procs import Process
 from agentkv.protocol.promtext import parse_metrics
 from agentkv.serve.supervisor import start_router as serve_router
 from agentkv.sim.launch import SimProcess, start_sims
+from tests._support.router_config import router_data
 
 MODEL = "agentkv-sim"
 
@@ -31,7 +32,7 @@ def start_router(
 ) -> RouterProcess:
     """``agentkv router`` with ``config`` (and a 0.5 s health interval) on a free port, its
     config and log (``router-PORT.log``) in ``tmp``; ready when this returns."""
-    config = {**config, "health_interval_s": 0.5}
+    config = router_data(config, {"upstream": {"health_interval_s": 0.5}})
     return serve_router(config, workdir=tmp, args=args, log_level=log_level, timeout_s=timeout_s)
 
 
@@ -134,7 +135,7 @@ def stack(
     sims = start_sims(argvs)
     s = Stack(sims[: len(p_args)], sims[len(p_args) :])
     try:
-        cfg = {**s.router_config(backend), **(router or {})}
+        cfg = router_data(s.router_config(backend), router)
         for _ in range(routers):
             s.routers.append(start_router(cfg, tmp))
         yield s

@@ -26,6 +26,7 @@ import agentkv
 from agentkv.protocol.promtext import parse_metrics
 from agentkv.serve import expand, load_profile
 from agentkv.serve.supervisor import start_router
+from tests._support.router_config import router_data
 
 MODEL = "tiny"
 SYSTEM = "You are a meticulous assistant. " + " ".join(
@@ -143,7 +144,7 @@ def router_on(real: Stack, tmp: Path, **options: object) -> Iterator[str]:
             )
         ).router_config
     )
-    with start_router({**config, **options}, workdir=tmp) as router:
+    with start_router(router_data(config, options), workdir=tmp) as router:
         yield router.url
 
 

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import re
+
 from typer.testing import CliRunner
 
 from agentkv import __version__
@@ -156,3 +158,53 @@ def test_a_new_model_field_is_a_new_flag():
     assert r.exit_code == 0, r.output
     assert got == {"count": 5, "mode": "y", "on": False, "loud": True, "inner": {"a": 2}}
     assert Model.model_validate(got).inner == Inner(a=2)
+
+
+def test_a_model_of_groups_gives_group_flags_unset_unless_given():
+    """``--GROUP-FIELD`` per field of each group; only what was given comes back (nested), so a
+    file's and the environment's values show through; old names are hidden aliases."""
+    from typing import Any
+
+    import typer
+    from pydantic import BaseModel, ConfigDict
+
+    from agentkv.cli._options import Flag, group_values, with_model_options
+
+    class Net(BaseModel):
+        model_config = ConfigDict(use_attribute_docstrings=True)
+
+        port: int = 8000
+        """The port."""
+        fast: bool = False
+        """Go fast."""
+        keep: bool = True
+        """Keep things."""
+
+    class Model(BaseModel):
+        model_config = ConfigDict(use_attribute_docstrings=True)
+
+        net: Net = Net()
+        """Networking."""
+
+    got: dict[str, Any] = {}
+
+    def cmd(**values: Any) -> None:
+        got.clear()
+        got.update(group_values(Model, values))
+
+    one = typer.Typer(rich_markup_mode="markdown")  # as agentkv's: "[default: …]" shown
+    flags = {"net.port": Flag(aliases=("--port",))}
+    one.command()(with_model_options(Model, flags, groups=True)(cmd))
+    output = runner.invoke(one, ["--help"], env={"COLUMNS": "200"}).output
+    help_text = " ".join(re.sub(r"[│╭╮╰╯─]", " ", output).split())
+    for shown in (
+        "net: Networking.",
+        "--net-port",
+        "Also --port. [default: 8000]",
+        "--no-net-keep",
+    ):
+        assert shown in help_text, shown
+    assert runner.invoke(one, []).exit_code == 0 and got == {}
+    assert runner.invoke(one, ["--port", "9"]).exit_code == 0 and got == {"net": {"port": 9}}
+    r = runner.invoke(one, ["--net-port", "7", "--net-fast", "--no-net-keep"])
+    assert r.exit_code == 0 and got == {"net": {"port": 7, "fast": True, "keep": False}}

@@ -63,7 +63,12 @@ def test_every_router_metric_is_named_in_protocol() -> None:
     from agentkv.router.config import RouterConfig
 
     config = RouterConfig.model_validate(
-        {"prefill": [{"url": "http://127.0.0.1:1"}], "decode": [{"url": "http://127.0.0.1:2"}]}
+        {
+            "upstream": {
+                "prefill": [{"url": "http://127.0.0.1:1"}],
+                "decode": [{"url": "http://127.0.0.1:2"}],
+            }
+        }
     )
     registry = create_app(config).state.router.metrics.registry
     exported = {family.name for family in registry.collect()}

@@ -14,7 +14,7 @@ from agentkv.router.logs import JsonFormatter, SafeFormatter, safe
 from agentkv.router.request import parse_request
 from agentkv.router.tenancy import ANONYMOUS, Caller, Tenancy, derived_salt, effective_salt
 
-BACKENDS = {"prefill": [{"url": "http://p:1"}], "decode": [{"url": "http://d:1"}]}
+BACKENDS = {"upstream": {"prefill": [{"url": "http://p:1"}], "decode": [{"url": "http://d:1"}]}}
 
 
 def _record(msg: str, *args: object, **extra: object) -> logging.LogRecord:
@@ -60,12 +60,14 @@ def test_tenant_salt_options():
     cfg = RouterConfig.model_validate(
         {
             **BACKENDS,
-            "salt_secret": "s",
-            "tenants": [
-                {"name": "a", "api_keys": ["ka"]},
-                {"name": "b", "api_keys": ["kb"], "cache_salt": "fixed"},
-                {"name": "c", "api_keys": ["kc"], "share_prefix_cache": True},
-            ],
+            "tenancy": {
+                "salt_secret": "s",
+                "tenants": [
+                    {"name": "a", "api_keys": ["ka"]},
+                    {"name": "b", "api_keys": ["kb"], "cache_salt": "fixed"},
+                    {"name": "c", "api_keys": ["kc"], "share_prefix_cache": True},
+                ],
+            },
         }
     )
     tenancy = Tenancy(cfg)
@@ -97,9 +99,11 @@ def test_bad_tenant_salts_are_refused(tenant):
 def test_admin_keys_are_not_tenant_keys_and_metrics_port_is_its_own():
     tenants = [{"name": "a", "api_keys": ["k"]}]
     with pytest.raises(ValidationError):
-        RouterConfig.model_validate({**BACKENDS, "tenants": tenants, "admin_api_keys": ["k"]})
+        RouterConfig.model_validate(
+            {**BACKENDS, "tenancy": {"tenants": tenants, "admin_api_keys": ["k"]}}
+        )
     with pytest.raises(ValidationError):
-        RouterConfig.model_validate({**BACKENDS, "port": 9000, "metrics_port": 9000})
+        RouterConfig.model_validate({**BACKENDS, "http": {"port": 9000, "metrics_port": 9000}})
 
 
 def _parse(body: dict[str, object], headers: dict[str, str] | None = None, chat: bool = True):

@@ -46,7 +46,12 @@ pytestmark = pytest.mark.anyio
 MODEL = "agentkv-sim"
 TOOLS = [function_tool("read_file", "Read a file", path="string")]
 CONFIG = RouterConfig.model_validate(
-    {"prefill": [{"url": "http://127.0.0.1:1"}], "decode": [{"url": "http://127.0.0.1:2"}]}
+    {
+        "upstream": {
+            "prefill": [{"url": "http://127.0.0.1:1"}],
+            "decode": [{"url": "http://127.0.0.1:2"}],
+        }
+    }
 )
 
 

@@ -46,14 +46,16 @@ async def _turn(pd: InProcessStack, messages: list[dict[str, Any]], text: str) -
 )
 def test_identity_is_kept_at_least_the_router_ttl(identity_ttl_s: float, keep_s: float) -> None:
     config = RouterConfig.model_validate(
-        {"prefill": [{"url": "http://p"}], "decode": [{"url": "http://d"}]}
-        | {"identity_ttl_s": identity_ttl_s}
+        {
+            "upstream": {"prefill": [{"url": "http://p"}], "decode": [{"url": "http://d"}]},
+            "identity": {"ttl_s": identity_ttl_s},
+        }
     )
     assert config.router_ttl_s == 450.0 and config.identity_keep_s == keep_s
 
 
 async def test_a_turn_after_a_long_pause_keeps_the_answers_ids(anyio_backend: str) -> None:
-    router = {"identity_ttl_s": 2_000.0}
+    router = {"identity": {"ttl_s": 2_000.0}}
     async with inprocess_stack(p_args=({"prefix_caching": False},), router=router) as pd:
         messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
         first = await _turn(pd, messages, "hello")

@@ -181,9 +181,11 @@ def stored(n: int) -> StoredHandle:
 def retention(leases: Leases, **config: Any) -> tuple[Retention, MemoryStore, Released]:
     cfg = RouterConfig.model_validate(
         {
-            "prefill": [{"url": "http://127.0.0.1:1"}],
-            "decode": [{"url": "http://127.0.0.1:2"}],
-            **config,
+            "upstream": {
+                "prefill": [{"url": "http://127.0.0.1:1"}],
+                "decode": [{"url": "http://127.0.0.1:2"}],
+            },
+            "retention": config,
         }
     )
     store = MemoryStore(max_entries=1000)

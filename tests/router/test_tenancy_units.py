@@ -28,7 +28,7 @@ from agentkv.router.tenancy import (
     kept_secret,
 )
 
-BACKENDS = {"prefill": [{"url": "http://p:1"}], "decode": [{"url": "http://d:1"}]}
+BACKENDS = {"upstream": {"prefill": [{"url": "http://p:1"}], "decode": [{"url": "http://d:1"}]}}
 TENANTS = [
     {"name": "a", "api_keys": ["sk-a-1", "sk-a-2"]},
     {"name": "b", "api_keys": ["sk-b"], "cache_salt": "b-fixed"},
@@ -38,8 +38,11 @@ ADMINS = ["sk-admin-1", "sk-admin-2"]
 OLD_FIXED_KEY = "agentkv-tenant-salt-v1"  # what an unset salt_secret used to mean
 
 
-def config(**extra: object) -> RouterConfig:
-    return RouterConfig.model_validate({**BACKENDS, "tenants": TENANTS, **extra})
+def config(store: dict[str, int] | None = None, **tenancy: object) -> RouterConfig:
+    """With :data:`TENANTS`, and ``tenancy``'s and ``store``'s fields."""
+    return RouterConfig.model_validate(
+        {**BACKENDS, "tenancy": {"tenants": TENANTS, **tenancy}, "store": store or {}}
+    )
 
 
 # -- item 8: one constant-time lookup for tenant and admin keys ----------------------------------
@@ -74,7 +77,9 @@ def test_every_key_resolves_to_its_tenant_or_admin():
 
 
 def test_without_tenants_every_key_is_the_anonymous_tenant_and_admins_still_resolve():
-    tenancy = Tenancy(RouterConfig.model_validate({**BACKENDS, "admin_api_keys": ADMINS}))
+    tenancy = Tenancy(
+        RouterConfig.model_validate({**BACKENDS, "tenancy": {"admin_api_keys": ADMINS}})
+    )
     for header in (None, "Bearer anything", "Bearer sk-admin-1"):
         assert tenancy.tenant_for(header) == ANONYMOUS
     assert tenancy.is_admin("Bearer sk-admin-2") and not tenancy.is_admin("Bearer sk-admin-")
@@ -148,7 +153,7 @@ def test_an_unset_secret_is_generated_once_and_kept(tmp_path):
 
 def test_no_secret_is_kept_when_no_salt_is_derived(tmp_path):
     tenants = [t for t in TENANTS if t["name"] != "a"]
-    cfg = RouterConfig.model_validate({**BACKENDS, "tenants": tenants})
+    cfg = RouterConfig.model_validate({**BACKENDS, "tenancy": {"tenants": tenants}})
     Tenancy(cfg, secret_file=tmp_path / "salt_secret")
     assert not (tmp_path / "salt_secret").exists()
 
@@ -198,9 +203,9 @@ def _handle(n: int) -> StoredHandle:
 
 
 def test_with_tenants_each_gets_an_equal_share_by_default():
-    assert config(store_max_entries=10).tenant_bound == 3
-    assert config(store_max_entries=2).tenant_bound == 1
-    assert config(store_max_entries_per_tenant=7).tenant_bound == 7
+    assert config({"max_entries": 10}).tenant_bound == 3
+    assert config({"max_entries": 2}).tenant_bound == 1
+    assert config({"max_entries_per_tenant": 7}).tenant_bound == 7
     assert RouterConfig.model_validate(BACKENDS).tenant_bound is None
 
 

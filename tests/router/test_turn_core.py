@@ -26,12 +26,14 @@ KEY = ("t", "c")
 P1, P2, D1, D2 = "http://p1", "http://p2", "http://d1", "http://d2"
 CFG = RouterConfig.model_validate(
     {
-        "prefill": [{"url": P1}, {"url": P2}],
-        "decode": [{"url": D1}, {"url": D2}],
-        "block_size": BS,
-        "kv_recompute_threshold": 8,
-        "retries": 2,
-        "paths": "pull",  # through P (the decode-in-place rows: PATH_ROWS)
+        "upstream": {
+            "prefill": [{"url": P1}, {"url": P2}],
+            "decode": [{"url": D1}, {"url": D2}],
+            "block_size": BS,
+            "kv_recompute_threshold": 8,
+            "retries": 2,
+        },
+        "paths": {"mode": "pull"},  # through P (the decode-in-place rows: PATH_ROWS)
     }
 )
 OLD = CFG.router_ttl_s + 1
@@ -762,9 +764,11 @@ def test_turn(world: World, turn: dict[str, Any], actions: list[str], end: str) 
 
 
 # -- each turn's path (config ``paths``): decode in place on the D that holds the handle ---------
-CHOOSE = CFG.model_copy(update={"paths": "choose"})
-FORCED = CFG.model_copy(update={"paths": "decode"})
-SMALL = CFG.model_copy(update={"paths": "choose", "decode_max_new_tokens": 4})
+CHOOSE = CFG.model_copy(update={"paths": CFG.paths.model_copy(update={"mode": "choose"})})
+FORCED = CFG.model_copy(update={"paths": CFG.paths.model_copy(update={"mode": "decode"})})
+SMALL = CFG.model_copy(
+    update={"paths": CFG.paths.model_copy(update={"mode": "choose", "decode_max_new_tokens": 4})}
+)
 SLOW_D = Curves(prefill_d_s_per_token=0.01)
 """A D whose prefill is slow enough that reading back wins."""
 IN_PLACE = ["resolve", "candidates", "take h1", "reserve d1 8"]

@@ -22,7 +22,9 @@ from agentkv.router.store import make_store
 from agentkv.router.upstream import EnginePool
 from tests._support.engine_client import InProcessEngine
 
-CONFIG = RouterConfig(prefill=[{"url": "http://p:1"}], decode=[{"url": "http://d:2"}])
+CONFIG = RouterConfig.model_validate(
+    {"upstream": {"prefill": [{"url": "http://p:1"}], "decode": [{"url": "http://d:2"}]}}
+)
 BODY = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
 
 
@@ -75,5 +77,5 @@ def test_tokenize_gives_up_after_the_retries_and_says_so(caplog: pytest.LogCaptu
     with caplog.at_level(logging.WARNING, logger="agentkv.router"):
         result, calls = turn_ids(failures=10)
     assert isinstance(result, APIError) and result.status == 503
-    assert calls == CONFIG.retries + 1
+    assert calls == CONFIG.upstream.retries + 1
     assert "could not tokenize" in caplog.text

@@ -121,10 +121,12 @@ def test_vllm_command_not_on_path():
 
 def test_redis_store_needs_redis(tmp_path):
     path = tmp_path / "p.toml"
-    path.write_text('extends = "local"\nname = "r"\n[router]\nstore = "redis://127.0.0.1:6379/0"\n')
+    path.write_text(
+        'extends = "local"\nname = "r"\n[router.store]\nbackend = "redis://127.0.0.1:6379/0"\n'
+    )
     problems = run(load_profile(path), modules=lambda m: m != "redis")
     assert problems == [
-        "router.store is 'redis://127.0.0.1:6379/0' but the package 'redis' is missing: "
+        "router.store.backend is 'redis://127.0.0.1:6379/0' but the package 'redis' is missing: "
         "pip install 'vllm-agentkv[serve,redis]'"
     ]
 

@@ -179,21 +179,21 @@ def test_invariants(name):
     assert len({p.name for p in procs}) == len(procs)
     # The router's configuration is valid and agrees with the engines.
     cfg = RouterConfig.model_validate(deployment.router_config)
-    assert cfg.block_size == profile.block_size
-    assert cfg.decoder_kv_blocks_ttl_s == profile.decoder_kv_blocks_ttl_s
+    assert cfg.upstream.block_size == profile.block_size
+    assert cfg.retention.decoder_kv_blocks_ttl_s == profile.decoder_kv_blocks_ttl_s
     assert cfg.router_ttl_s < profile.decoder_kv_blocks_ttl_s - 5
-    assert cfg.kv_recompute_threshold == profile.kv_recompute_threshold
-    assert [b.url for b in cfg.prefill] == [
+    assert cfg.upstream.kv_recompute_threshold == profile.kv_recompute_threshold
+    assert [b.url for b in cfg.upstream.prefill] == [
         p.health_url.removesuffix("/health") for p in procs if p.role == "prefill"
     ]
-    assert [b.url for b in cfg.decode] == [
+    assert [b.url for b in cfg.upstream.decode] == [
         p.health_url.removesuffix("/health") for p in procs if p.role == "decode"
     ]
     router = procs[-1]
     assert router.config_file is not None
     assert json.loads(router.config_file[1]) == deployment.router_config
     assert f"{{config_dir}}/{router.config_file[0]}" in router.argv
-    assert deployment.base_url == f"http://127.0.0.1:{profile.router.port}/v1"
+    assert deployment.base_url == f"http://127.0.0.1:{profile.router.http.port}/v1"
     engines = procs[:-1]
     if profile.engine == "vllm":
         side = [int(p.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) for p in engines]
@@ -285,8 +285,8 @@ def test_local_expands_to_sim_engines_on_loopback():
         "http://127.0.0.1:8000/health",
     ]
     assert deployment.base_url == "http://127.0.0.1:8000/v1"
-    assert deployment.router_config["host"] == "127.0.0.1"
-    assert deployment.router_config["store"] == "memory"
+    assert deployment.router_config["http"]["host"] == "127.0.0.1"
+    assert deployment.router_config["store"]["backend"] == "memory"
 
 
 def test_offload_variant_uses_multiconnector_on_decode_only():
@@ -348,7 +348,7 @@ def test_cpu_tiny_is_the_measured_cpu_setup(monkeypatch):
     assert prefill.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
     assert decode.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5601"
     # vLLM 0.33: D's handle is on the streamed finish chunk, so the router relays streams.
-    assert all(d["handle_on_stream"] for d in deployment.router_config["decode"])
+    assert all(d["handle_on_stream"] for d in deployment.router_config["upstream"]["decode"])
     # P caches its prompts and sends them as KV events to the router, on loopback
     assert "--enable-prefix-caching" in prefill.argv
     events = json.loads(prefill.argv[prefill.argv.index("--kv-events-config") + 1])

@@ -60,7 +60,7 @@ def test_with_ports_lays_the_engines_out_from_the_base() -> None:
         30003,
     )
     assert tiny.prefill.kv_events_base_port == 30004 and engine_ports(tiny) == 5
-    assert tiny.router.port == 8000  # --base-port leaves the router where it was
+    assert tiny.router.http.port == 8000  # --base-port leaves the router where it was
 
 
 def test_with_ports_refuses_a_collision() -> None:
@@ -148,8 +148,8 @@ def test_router_without_engines_is_one_line() -> None:
     r = agentkv("router", "--port", str(free_port()))
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip() == (
-        "agentkv router: invalid configuration: --prefill URL (or prefill in --config): "
-        "required; --decode URL (or decode in --config): required"
+        "agentkv router: invalid configuration: --prefill URL (or upstream.prefill in "
+        "--config): required; --decode URL (or upstream.decode in --config): required"
     )
 
 
@@ -160,7 +160,8 @@ def test_router_refuses_an_engine_url_without_a_scheme_at_start_up() -> None:
     )  # fmt: skip
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip() == (
-        "agentkv router: invalid configuration: prefill.0.url: engine URL '127.0.0.1:8100' "
+        "agentkv router: invalid configuration: upstream.prefill.0.url: engine URL "
+        "'127.0.0.1:8100' "
         "needs a scheme and a host, e.g. http://127.0.0.1:8100"
     )
 

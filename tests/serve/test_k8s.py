@@ -81,11 +81,11 @@ def test_router_uses_redis_through_a_configmap():
     assert services["qwen3-32b-1p1d-redis"]["spec"]["ports"][0]["port"] == 6379
     config = json.loads(config_map["data"]["router.json"])
     cfg = RouterConfig.model_validate(config)
-    assert cfg.store == "redis://qwen3-32b-1p1d-redis:6379/0"
-    assert cfg.host == "0.0.0.0" and cfg.port == 8000
-    assert [b.url for b in cfg.prefill] == ["http://qwen3-32b-1p1d-prefill-0:8100"]
-    assert [b.url for b in cfg.decode] == ["http://qwen3-32b-1p1d-decode-0:8200"]
-    assert cfg.block_size == profile.block_size
+    assert cfg.store.backend == "redis://qwen3-32b-1p1d-redis:6379/0"
+    assert cfg.http.host == "0.0.0.0" and cfg.http.port == 8000
+    assert [b.url for b in cfg.upstream.prefill] == ["http://qwen3-32b-1p1d-prefill-0:8100"]
+    assert [b.url for b in cfg.upstream.decode] == ["http://qwen3-32b-1p1d-decode-0:8200"]
+    assert cfg.upstream.block_size == profile.block_size
     assert cfg.router_ttl_s == profile.router_ttl_s
     router = deployments["qwen3-32b-1p1d-router"]
     c = container(router)
@@ -143,6 +143,6 @@ def test_prefill_pods_publish_kv_events_the_router_connects_to():
         assert "--kv-events-config" not in argv
     (config_map,) = by_kind(objects, "ConfigMap").values()
     cfg = RouterConfig.model_validate(json.loads(config_map["data"]["router.json"]))
-    for i, backend in enumerate(cfg.prefill):
+    for i, backend in enumerate(cfg.upstream.prefill):
         assert backend.kv_events is not None and backend.kv_events.endpoint == f"tcp://*:{5800 + i}"
         assert backend.host == f"llama-3-1-8b-2p4d-prefill-{i}"

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from agentkv.router.config import RouterConfig
 from agentkv.serve import Profile, ProfileError, builtin_profiles, load_profile, profiles
 from agentkv.serve.profiles import unresolved_placeholders
 
@@ -57,7 +58,7 @@ def test_local_profile_is_simulated_loopback_on_8000():
     p = load_profile("local")
     assert p.engine == "sim"
     assert (p.prefill.count, p.decode.count) == (1, 1)
-    assert p.router.port == 8000
+    assert p.router.http.port == 8000
     assert p.sim_settings.preset == "laptop"
     assert p.sim_settings.time_scale == 1
     assert p.gpus_needed == 0
@@ -114,7 +115,7 @@ def test_user_file_is_accepted_with_defaults(tmp_path):
     p = load_profile(write(tmp_path, MINIMAL))
     assert p.name == "mine"
     assert (p.block_size, p.decoder_kv_blocks_ttl_s, p.kv_recompute_threshold) == (16, 480, 64)
-    assert (p.prefill.base_port, p.decode.base_port, p.router.port) == (8100, 8200, 8000)
+    assert (p.prefill.base_port, p.decode.base_port, p.router.http.port) == (8100, 8200, 8000)
     assert p.nixl.backends == ["UCX"]
 
 
@@ -129,16 +130,16 @@ def test_extends_a_builtin_and_overrides_key_by_key(tmp_path):
         """
         extends = "local"
         name = "fast-local"
-        [router]
+        [router.http]
         port = 9000
         [sim]
         time_scale = 0
         """,
     )
     p = load_profile(path)
-    assert (p.name, p.router.port, p.sim_settings.time_scale) == ("fast-local", 9000, 0)
+    assert (p.name, p.router.http.port, p.sim_settings.time_scale) == ("fast-local", 9000, 0)
     assert p.sim_settings.preset == "laptop"  # merged, not replaced
-    assert p.router.ttl_margin_s == 30
+    assert p.router.retention.ttl_margin_s == 30
 
 
 def test_extends_a_relative_file_and_refuses_loops(tmp_path):
@@ -176,7 +177,7 @@ def test_invalid_toml_is_a_profile_error(tmp_path):
         ("[prefill]\noffload = { cpu_gib = 1 }\n", "prefill.offload"),
         ("[decode.offload]\ncpu_gib = 1\nprompt_only = false\n", "decode.offload.prompt_only"),
         ("[router]\nttl = 3\n", "router.ttl"),
-        ("[router.options]\nretires = 3\n", "router.options.retires"),
+        ("[router.upstream]\nretires = 3\n", "router.upstream.retires"),
         ("[nixl]\nbackend = ['UCX']\n", "nixl.backend"),
         ("[k8s]\nimage = 'x'\n", "k8s.image"),
     ],
@@ -192,8 +193,8 @@ def test_missing_keys_are_named(tmp_path):
 
 def test_ttl_order(tmp_path):
     message = refused(tmp_path, MINIMAL + "decoder_kv_blocks_ttl_s = 30\n")  # margin 30
-    assert "TTL order" in message and "router.ttl_margin_s (30)" in message
-    message = refused(tmp_path, MINIMAL + "[router]\nttl_margin_s = 4\n")
+    assert "TTL order" in message and "router.retention.ttl_margin_s (30)" in message
+    message = refused(tmp_path, MINIMAL + "[router.retention]\nttl_margin_s = 4\n")
     assert "TTL order" in message and "5 s" in message
     ok = load_profile(write(tmp_path, MINIMAL + "decoder_kv_blocks_ttl_s = 60\n"))
     assert ok.router_ttl_s == 30
@@ -227,7 +228,7 @@ def test_port_collisions(tmp_path):
     assert "port 8101 is used by both prefill-1 (HTTP) and decode-0 (HTTP)" in message
     message = refused(tmp_path, MINIMAL + "[decode]\nside_channel_base_port = 5600\n")
     assert "prefill-0 (NIXL side channel) and decode-0 (NIXL side channel)" in message
-    assert "router (HTTP)" in refused(tmp_path, MINIMAL + "[router]\nport = 8200\n")
+    assert "router (HTTP)" in refused(tmp_path, MINIMAL + "[router.http]\nport = 8200\n")
     assert "outside" in refused(tmp_path, MINIMAL + "[decode]\ncount = 2\nbase_port = 65535\n")
     # Simulator engines have no NIXL side channel: those ports are not claimed.
     sim = MINIMAL.replace('"vllm"', '"sim"') + "[decode]\nside_channel_base_port = 5600\n"
@@ -248,11 +249,31 @@ def test_impossible_hardware_and_engine_combinations(tmp_path):
     assert "not a cost model preset" in refused(tmp_path, sim + "[sim]\npreset = 'warp'\n")
 
 
-def test_router_options(tmp_path):
-    p = load_profile(write(tmp_path, MINIMAL + "[router.options]\nprefill_deadline_s = 12\n"))
-    assert p.router.options == {"prefill_deadline_s": 12}
-    message = refused(tmp_path, MINIMAL + "[router.options]\nblock_size = 32\n")
-    assert "router.options.block_size is set by the profile" in message
+def test_the_router_table_is_the_routers_configuration(tmp_path):
+    p = load_profile(write(tmp_path, MINIMAL + "[router.upstream]\nprefill_deadline_s = 12\n"))
+    assert p.router.upstream.prefill_deadline_s == 12
+    assert isinstance(p.router, RouterConfig)
+    message = refused(tmp_path, MINIMAL + "[router.upstream]\nblock_size = 32\n")
+    assert "router.upstream.block_size is set by the profile itself" in message
+    message = refused(tmp_path, MINIMAL + "[router.retention]\ndecoder_kv_blocks_ttl_s = 9\n")
+    assert "router.retention.decoder_kv_blocks_ttl_s is set by the profile itself" in message
+
+
+def test_old_router_keys_map_with_a_warning_and_win_over_the_parents(tmp_path):
+    old = MINIMAL + "[router]\nport = 9000\nstore = 'memory'\n[router.options]\nretries = 5\n"
+    with pytest.warns(DeprecationWarning) as caught:
+        p = load_profile(write(tmp_path, old))
+    said = " ".join(str(w.message) for w in caught)
+    assert "'router.options' is deprecated" in said
+    assert "'port' is deprecated: use 'http.port'" in said
+    assert (p.router.http.port, p.router.store.backend, p.router.upstream.retries) == (
+        9000,
+        "memory",
+        5,
+    )
+    child = write(tmp_path, 'extends = "local"\nname = "c"\n[router]\nport = 9100\n', "c.toml")
+    with pytest.warns(DeprecationWarning, match="use 'http.port'"):
+        assert load_profile(child).router.http.port == 9100  # local.toml has [router.http]
 
 
 def test_name_must_be_a_dns_friendly_slug(tmp_path):

@@ -83,7 +83,7 @@ def turn_plan(t: TurnInput, cfg: RouterConfig) -> Turn:
     if t.key is not None and t.lease_s is not None:
         yield Renew(t.key, t.lease_s)
     # the prompt is hashed once a turn: for verification, and again for what D will hold
-    hashes = PromptHashes(ids, cfg.block_size, hash_root(t.model, t.cache_salt))
+    hashes = PromptHashes(ids, cfg.upstream.block_size, hash_root(t.model, t.cache_salt))
     plan, found = yield from _take_handle(t, cfg, hashes)
     remember = RememberJob(t.key, t.epoch, hashes, resolved.pending)
     tried: set[str] = set()
@@ -96,7 +96,7 @@ def turn_plan(t: TurnInput, cfg: RouterConfig) -> Turn:
         if failed:
             tried.add(failed)  # the P pass places the turn on another D
         choice = None
-    for attempt in range(cfg.retries + 1):
+    for attempt in range(cfg.upstream.retries + 1):
         # a retry after D failed is a fresh P pass: P's own cache now holds the prompt
         pre, unspent = yield from _prefill(
             t, cfg, ids, plan if attempt == 0 else plan.without_handle()
@@ -134,7 +134,7 @@ def _choose(
     ``paths = "pull"``, or no such handle). D's prefix cache holds the handle's verified full
     blocks (vLLM's prefix cache counts full blocks only). A D out of rotation is not a place to
     decode: its handle can only be read back."""
-    if cfg.paths == "pull" or plan.taken is None or plan.params is None or plan.release:
+    if cfg.paths.mode == "pull" or plan.taken is None or plan.params is None or plan.release:
         return None
     url = plan.taken.handle.decode_url
     if found is None or url in found.unhealthy:
@@ -143,13 +143,19 @@ def _choose(
     state = TurnState(
         n,
         handle_tokens=plan.attached_tokens,
-        d_cached_tokens=min(plan.verified_tokens, n - 1) // cfg.block_size * cfg.block_size,
+        d_cached_tokens=min(plan.verified_tokens, n - 1)
+        // cfg.upstream.block_size
+        * cfg.upstream.block_size,
         d_in_flight_tokens=in_flight.get(url, 0),
-        recompute_threshold=cfg.kv_recompute_threshold,
+        recompute_threshold=cfg.upstream.kv_recompute_threshold,
     )
-    budget = DecodeBudget(cfg.decode_max_new_tokens, cfg.decode_tokens_in_flight)
+    budget = DecodeBudget(cfg.paths.decode_max_new_tokens, cfg.paths.decode_tokens_in_flight)
     choice = choose(state, t.curves, budget)
-    if cfg.paths == "decode" and "decode" in choice.estimates and "decode" not in choice.excluded:
+    if (
+        cfg.paths.mode == "decode"
+        and "decode" in choice.estimates
+        and "decode" not in choice.excluded
+    ):
         # in place whenever D's budget allows it, whatever the estimates
         return replace(choice, path="decode", ttft_s=choice.estimates["decode"].ttft_s)
     return choice
@@ -274,9 +280,9 @@ def _take_handle(
             hashes,
             epoch=t.epoch,
             router_ttl_s=cfg.router_ttl_s,
-            threshold=cfg.kv_recompute_threshold,
+            threshold=cfg.upstream.kv_recompute_threshold,
             can_pull=found.can_pull,
-            verify=cfg.reuse_policy == "verified",
+            verify=cfg.paths.reuse_policy == "verified",
         )
         for gone in plan.expired:
             yield Discard(t.key, gone.handle.id)
@@ -316,8 +322,8 @@ def _prefill(
     """Run P with ``plan``; on the way the plan loses a handle P may have started to read
     (released) and keeps one no P has seen. Returns P's result and what of the plan is unspent
     (the caller puts it back when the turn fails)."""
-    n, threshold = len(ids), cfg.kv_recompute_threshold
-    for _ in range(cfg.retries + 2):
+    n, threshold = len(ids), cfg.upstream.kv_recompute_threshold
+    for _ in range(cfg.upstream.retries + 2):
         choice: PrefillChoice | None = yield PickPrefill(plan.params is not None, ids)
         if choice is None and plan.params is not None:
             # no P can read it: put it back for a later turn
