@@ -114,8 +114,7 @@ def local_stack(
     replaces the profile's D TTL (trace seconds, e.g. a long one for leases);
     ``router_options`` are more ``RouterConfig`` keys, by group (``{"paths": {"mode": …}}``; real
     seconds)."""
-    from agentkv.serve import expand, load_profile
-    from agentkv.serve.profiles import Profile
+    from agentkv.serve import Profile, expand, load_profile
     from agentkv.serve.supervisor import Supervisor
 
     if time_scale <= 0:

@@ -12,7 +12,8 @@ from __future__ import annotations
 from agentkv.serve.checks import check_runtime
 from agentkv.serve.expand import Deployment, ProcessSpec, expand
 from agentkv.serve.k8s import render_k8s
-from agentkv.serve.profiles import Profile, ProfileError, builtin_profiles, load_profile
+from agentkv.serve.profile_model import Profile
+from agentkv.serve.profiles import ProfileError, builtin_profiles, load_profile
 
 __all__ = [
     "Deployment",

@@ -16,7 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from agentkv.serve.expand import instances, nodes_needed
-from agentkv.serve.profiles import Profile, unresolved_placeholders
+from agentkv.serve.profile_model import Profile
+from agentkv.serve.profiles import unresolved_placeholders
 
 __all__ = [
     "VALIDATED_VLLM",

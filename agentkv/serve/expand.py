@@ -15,7 +15,8 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from agentkv.serve.profiles import Profile, ProfileError
+from agentkv.serve.profile_model import Profile
+from agentkv.serve.profiles import ProfileError
 
 __all__ = [
     "CONFIG_DIR",

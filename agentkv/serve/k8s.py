@@ -29,7 +29,7 @@ from agentkv.serve.expand import (
     router_config,
     router_env,
 )
-from agentkv.serve.profiles import Profile
+from agentkv.serve.profile_model import Profile
 
 __all__ = ["dump_yaml", "k8s_manifests", "render_k8s"]
 

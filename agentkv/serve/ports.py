@@ -20,7 +20,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from agentkv.serve.profiles import Profile, ProfileError, format_validation_error
+from agentkv.serve.profile_model import Profile
+from agentkv.serve.profiles import ProfileError, format_validation_error
 
 __all__ = ["engine_ports", "with_ports"]
 

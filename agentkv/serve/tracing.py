@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from agentkv.serve.profiles import Profile
+    from agentkv.serve.profile_model import Profile
 
 __all__ = ["tracing_line"]
 

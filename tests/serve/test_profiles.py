@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from agentkv.router.config import RouterConfig
-from agentkv.serve import Profile, ProfileError, builtin_profiles, load_profile, profiles
+from agentkv.serve import Profile, ProfileError, builtin_profiles, load_profile, profile_tables
+from agentkv.serve.profile_router import RouterSettings
 from agentkv.serve.profiles import unresolved_placeholders
 
 BUILTINS = {
@@ -72,14 +73,14 @@ def test_local_toml_documents_every_key():
     }
     for model in (
         Profile,
-        profiles.NixlSettings,
-        profiles.PrefillGroup,
-        profiles.DecodeGroup,
-        profiles.OffloadSettings,
-        profiles.RouterSettings,
-        profiles.SimSettings,
-        profiles.Hardware,
-        profiles.K8sSettings,
+        profile_tables.NixlSettings,
+        profile_tables.PrefillGroup,
+        profile_tables.DecodeGroup,
+        profile_tables.OffloadSettings,
+        RouterSettings,
+        profile_tables.SimSettings,
+        profile_tables.Hardware,
+        profile_tables.K8sSettings,
     ):
         missing = set(model.model_fields) - documented
         assert not missing, (model.__name__, missing)
