@@ -304,7 +304,10 @@ class Router:
             can_pull = any(e.healthy and e.backend.bidirectional for e in self.pool.prefill)
             engines = {e.url: e.identity for e in self.pool.decode}
             out = frozenset(e.url for e in self.pool.decode if not e.healthy)
-            return core.Found(handles, engines, can_pull, self.in_flight.snapshot(), out)
+            running = {e.url: e.outstanding_requests for e in self.pool.decode}
+            queued = min((e.outstanding_tokens for e in self.pool.prefill if e.healthy), default=0)
+            flight = self.in_flight.snapshot()
+            return core.Found(handles, engines, can_pull, flight, out, running, queued)
         if isinstance(action, core.Discard):
             if action.reason:
                 self.metrics.dropped.labels(action.reason).inc()

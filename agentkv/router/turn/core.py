@@ -145,6 +145,8 @@ def _choose(
         handle_tokens=plan.attached_tokens,
         d_cached_tokens=min(plan.verified_tokens, n - 1) // cfg.block_size * cfg.block_size,
         d_in_flight_tokens=in_flight.get(url, 0),
+        d_running_streams=found.running.get(url, 0),
+        p_queued_tokens=found.p_queued_tokens,
         recompute_threshold=cfg.kv_recompute_threshold,
     )
     budget = DecodeBudget(cfg.decode_max_new_tokens, cfg.decode_tokens_in_flight)
@@ -166,7 +168,7 @@ def _estimated(receipt: Receipt, choice: Choice) -> Receipt:
         for path, e in choice.estimates.items()
         if path != receipt.decision and path not in choice.excluded
     ]
-    best = min(others, key=lambda e: (e.ttft_s, PATHS.index(e.path)), default=None)
+    best = min(others, key=lambda e: (e.cost_s, PATHS.index(e.path)), default=None)
     return replace(
         receipt,
         estimate_s=taken.ttft_s,
