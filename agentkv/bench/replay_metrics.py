@@ -18,6 +18,7 @@ _RETAINED = f"{Metric.SIM_RETAINED_BLOCK_SECONDS}_total"
 _WRONG = f"{Metric.SIM_WRONG_KV_TOKENS}_total"
 _EXPIRED = f"{Metric.NIXL_NUM_KV_EXPIRED_REQS}_total"
 _QUEUE = f"{Metric.SIM_PREFILL_QUEUE_SECONDS}_total"
+_SLOWED = f"{Metric.SIM_SLOWED_DECODE_STEPS}_total"
 _ITL = Metric.SIM_MODEL_INTER_TOKEN_SECONDS
 _BUCKET = "d_itl_le_"
 ITL_QUANTILES = (0.5, 0.9, 0.99)
@@ -51,6 +52,8 @@ async def engine_counters(
         "expired_decode": _sum(d, _EXPIRED),
         "prefill_queue_s_prefill": _sum(p, _QUEUE),
         "prefill_queue_s_decode": _sum(d, _QUEUE),
+        "slowed_steps_decode": _sum(d, _SLOWED),
+        "d_itl_sum_s": _sum(d, f"{_ITL}_sum"),
     }
     for page in d:
         for le, count in histogram_buckets(page, _ITL).items():
@@ -61,8 +64,8 @@ async def engine_counters(
 
 def measured_delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
     """What one policy's run added: each counter's difference, and D's inter-token latency
-    quantiles in modelled milliseconds over the steps of this run (``d_itl_p50_ms`` …;
-    ``d_itl_steps``), in place of the buckets."""
+    quantiles and mean in modelled milliseconds over the steps of this run (``d_itl_p50_ms`` …,
+    ``d_itl_mean_ms``; ``d_itl_steps``), in place of the buckets."""
     out: dict[str, float] = {}
     buckets: dict[float, float] = {}
     for key, value in after.items():
@@ -73,6 +76,8 @@ def measured_delta(before: Mapping[str, float], after: Mapping[str, float]) -> d
             out[key] = delta
     if buckets:
         out["d_itl_steps"] = max(buckets.values())
+        if out["d_itl_steps"] > 0:
+            out["d_itl_mean_ms"] = out["d_itl_sum_s"] / out["d_itl_steps"] * 1000
         for q in ITL_QUANTILES:
             at = histogram_quantile(buckets, q)
             if at is not None:

@@ -469,8 +469,9 @@ def render_markdown(
             "last agent's death (its lease renewals stopped) until D held no block.",
             "",
             "| policy | D retained block-seconds | wrong-KV tokens on P | wrong-KV tokens on D "
-            "| handles expired on D | freed after the last agent died |",
-            "|---|---|---|---|---|---|",
+            "| handles expired on D | D decode steps slowed by a prefill (of all) "
+            "| freed after the last agent died |",
+            "|---|---|---|---|---|---|---|",
         ]
         for p, m in measured.items():
             freed = m.get("freed_after_last_death_s")
@@ -478,6 +479,7 @@ def render_markdown(
                 f"| {policy_name(p)} | {m.get('retained_block_s_decode', 0):,.1f} | "
                 f"{m.get('wrong_kv_tokens_prefill', 0):,.0f} | "
                 f"{m.get('wrong_kv_tokens_decode', 0):,.0f} | {m.get('expired_decode', 0):,.0f} | "
+                f"{m.get('slowed_steps_decode', 0):,.0f} ({m.get('d_itl_steps', 0):,.0f}) | "
                 + ("–" if freed is None else f"{freed:.1f} s")
                 + " |"
             )

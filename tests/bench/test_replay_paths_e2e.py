@@ -37,6 +37,8 @@ def test_d_itl_and_block_seconds_come_from_ds_metrics(small_trace: Path, tmp_pat
     p50, p90, p99 = (measured[f"d_itl_p{q}_ms"] for q in (50, 90, 99))
     assert step <= p50 <= p90 <= p99 < 1000
     assert p50 < step * 1.1
+    assert measured["d_itl_mean_ms"] >= step
+    assert 0 <= measured["slowed_steps_decode"] <= measured["d_itl_steps"]
     assert measured["retained_block_s_decode"] > 0
     report = (out / "report.md").read_text()
     assert f"{p50:,.1f} / {p90:,.1f} / {p99:,.1f}" in report
