@@ -212,7 +212,8 @@ class TurnState:
     request until the answer's end): each is slowed by a prefill on D."""
     p_queued_tokens: int = 0
     """``qP``: prompt tokens the P this turn would go to is prefilling already (the router's
-    count of what it sent there, the least loaded P's)."""
+    count of what the least loaded P computes for its requests in flight: each prompt less what
+    it reads back)."""
     recompute_threshold: int = 64
     """P's ``kv_recompute_threshold``: a smaller read back is not made."""
 
