@@ -348,7 +348,7 @@ def summary_rows(summaries: Mapping[str, PolicySummary]) -> list[list[str]]:
                 f"{s.recomputed_tokens:,}",
                 _fmt(s.compute_saved_pct, 1, "%"),
                 f"{_fmt(d['model_ttft_p50_ms'], 1)} / {_fmt(d['model_ttft_p90_ms'], 1)}",
-                " / ".join(_fmt(s.measured.get(f"d_itl_p{q}_ms"), 1) for q in (50, 90, 99)),
+                " / ".join(_fmt(s.measured.get(f"d_itl_p{q}_ms"), 2) for q in (50, 90, 99)),
                 "–"
                 if s.latency_saved_ms is None
                 else f"{s.latency_saved_ms:,.1f} ms ({_fmt(s.ttft_saved_pct, 1, '%')})",

@@ -20,7 +20,7 @@ def test_d_itl_and_block_seconds_come_from_ds_metrics(small_trace: Path, tmp_pat
     args = [
         *("bench", "replay", str(small_trace), "--local", "local"),
         *("--preset", "qwen3-32b-p5en", "--paths", "decode", "--time-scale", "0.005"),
-        *("--token-scale", "0.125", "--concurrency", "2", "--out", str(out)),
+        *("--token-scale", "0.125", "--sessions", "1", "--out", str(out)),
         *("--no-plots", "--no-progress"),
     ]
     result = CliRunner().invoke(app, args, terminal_width=250)
@@ -41,4 +41,4 @@ def test_d_itl_and_block_seconds_come_from_ds_metrics(small_trace: Path, tmp_pat
     assert 0 <= measured["slowed_steps_decode"] <= measured["d_itl_steps"]
     assert measured["retained_block_s_decode"] > 0
     report = (out / "report.md").read_text()
-    assert f"{p50:,.1f} / {p90:,.1f} / {p99:,.1f}" in report
+    assert f"{p50:,.2f} / {p90:,.2f} / {p99:,.2f}" in report
