@@ -66,7 +66,6 @@ __all__ = [
     "modelled_retention",
     "real_gap",
     "replay_policy",
-    "scrape",
     "wait_drained",
 ]
 
@@ -564,17 +563,3 @@ async def wait_drained(decode_urls: Sequence[str], timeout_s: float) -> bool:
             if time.monotonic() > deadline:
                 return False
             await asyncio.sleep(0.25)
-
-
-async def scrape(urls: Sequence[str], names: Sequence[str]) -> dict[str, float]:
-    """Sum of each metric over ``urls`` (missing: 0)."""
-    from agentkv.protocol.promtext import parse_metrics
-
-    out = dict.fromkeys(names, 0.0)
-    async with httpx.AsyncClient(trust_env=False, timeout=5) as client:
-        for url in urls:
-            with contextlib.suppress(httpx.HTTPError):
-                parsed = parse_metrics((await client.get(f"{url}/metrics")).text)
-                for name in names:
-                    out[name] += parsed.get(name, 0.0)
-    return out

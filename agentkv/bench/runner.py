@@ -24,9 +24,9 @@ from agentkv.bench.replay import (
     SessionScript,
     TurnRecord,
     replay_policy,
-    scrape,
     wait_drained,
 )
+from agentkv.bench.replay_metrics import engine_counters, measured_delta
 from agentkv.bench.report import (
     SHORTFALL_NOTE,
     PolicySummary,
@@ -40,7 +40,6 @@ from agentkv.bench.report import (
 from agentkv.bench.retention import LeaseParams
 from agentkv.bench.traces import Session, TraceFormat, detect_format, iter_claude_code, load_trace
 from agentkv.bench.wire import ClientName
-from agentkv.protocol import Metric
 
 __all__ = [
     "PolicyTarget",
@@ -54,23 +53,9 @@ __all__ = [
     "stack_target",
 ]
 
-_RETAINED = f"{Metric.SIM_RETAINED_BLOCK_SECONDS}_total"
-_WRONG = f"{Metric.SIM_WRONG_KV_TOKENS}_total"
-_EXPIRED = f"{Metric.NIXL_NUM_KV_EXPIRED_REQS}_total"
-_MEASURED = (_RETAINED, _WRONG, _EXPIRED)
-
 
 async def _counters(run: PolicyTarget) -> dict[str, float]:
-    """The simulator counters the report shows, per role."""
-    prefill = [u for u in run.engine_urls if u not in run.decode_urls]
-    p = await scrape(prefill, _MEASURED)
-    d = await scrape(run.decode_urls, _MEASURED)
-    return {
-        "retained_block_s_decode": d[_RETAINED],
-        "wrong_kv_tokens_prefill": p[_WRONG],
-        "wrong_kv_tokens_decode": d[_WRONG],
-        "expired_decode": d[_EXPIRED],
-    }
+    return await engine_counters(run.engine_urls, run.decode_urls)
 
 
 @dataclass(frozen=True)
@@ -251,7 +236,7 @@ async def _run_all(
                 drained = await wait_drained(target.decode_urls, target.drain_timeout_s)
                 gone = time.perf_counter() - (done.last_death or time.perf_counter())
                 after = await _counters(target)
-                measured[policy] = {k: v - before.get(k, 0.0) for k, v in after.items()}
+                measured[policy] = measured_delta(before, after)
                 measured[policy]["drained"] = float(drained)
                 if done.last_death is not None:
                     # how long D kept blocks after the last agent died (its renewals stopped)
@@ -344,7 +329,8 @@ def summary_rows(summaries: Mapping[str, PolicySummary]) -> list[list[str]]:
             "wrong-KV tokens (turns)",
             "prefill tokens recomputed",
             "compute saved",
-            "TTFT p50 ms",
+            "TTFT p50 / p90 ms",
+            "D ITL p50 / p90 / p99 ms",
             "TTFT saved / turn",
             "expired",
             "retained block-hours",
@@ -362,7 +348,8 @@ def summary_rows(summaries: Mapping[str, PolicySummary]) -> list[list[str]]:
                 f"{s.wrong_kv_tokens:,} ({s.wrong_kv_turns})",
                 f"{s.recomputed_tokens:,}",
                 _fmt(s.compute_saved_pct, 1, "%"),
-                _fmt(d["model_ttft_p50_ms"], 1),
+                f"{_fmt(d['model_ttft_p50_ms'], 1)} / {_fmt(d['model_ttft_p90_ms'], 1)}",
+                " / ".join(_fmt(s.measured.get(f"d_itl_p{q}_ms"), 2) for q in (50, 90, 99)),
                 "–"
                 if s.latency_saved_ms is None
                 else f"{s.latency_saved_ms:,.1f} ms ({_fmt(s.ttft_saved_pct, 1, '%')})",
@@ -456,8 +443,11 @@ def render_markdown(
         "read back correctly (what retention and verification lost; with leases the ideal "
         "also needs the agent alive). "
         "*Compute saved*: prompt tokens prefill did not compute, of all prompt tokens. *TTFT*: "
-        "the simulator's cost model (`X-AgentKV-Sim-Model-TTFT-Ms`, independent of this "
-        "machine's load); *saved* is against the baseline on the same turns. *Retained "
+        "the simulator's cost model (`X-AgentKV-Sim-Model-TTFT-Ms`: modelled costs, a prefill "
+        "queued behind the engine's earlier ones when they overlap); *saved* is against the "
+        "baseline on the same turns. *D ITL*: the modelled time of D's decode steps after each "
+        "request's first token, prefill interference included, over this run's steps (D's "
+        "`agentkv_sim_model_inter_token_seconds`). *Retained "
         "block-hours*: blocks D holds between turns × how long, modelled at full speed from the "
         "trace's gaps (until the next turn, or D's TTL when it comes too late or never; with "
         "leases until the lease lapses after the agent died).",
@@ -480,8 +470,9 @@ def render_markdown(
             "last agent's death (its lease renewals stopped) until D held no block.",
             "",
             "| policy | D retained block-seconds | wrong-KV tokens on P | wrong-KV tokens on D "
-            "| handles expired on D | freed after the last agent died |",
-            "|---|---|---|---|---|---|",
+            "| handles expired on D | D decode steps slowed by a prefill (of all) "
+            "| freed after the last agent died |",
+            "|---|---|---|---|---|---|---|",
         ]
         for p, m in measured.items():
             freed = m.get("freed_after_last_death_s")
@@ -489,6 +480,7 @@ def render_markdown(
                 f"| {policy_name(p)} | {m.get('retained_block_s_decode', 0):,.1f} | "
                 f"{m.get('wrong_kv_tokens_prefill', 0):,.0f} | "
                 f"{m.get('wrong_kv_tokens_decode', 0):,.0f} | {m.get('expired_decode', 0):,.0f} | "
+                f"{m.get('slowed_steps_decode', 0):,.0f} ({m.get('d_itl_steps', 0):,.0f}) | "
                 + ("–" if freed is None else f"{freed:.1f} s")
                 + " |"
             )

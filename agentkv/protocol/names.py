@@ -188,6 +188,8 @@ class Metric:
     SIM_PREFILL_TOKENS_IN_FLIGHT: Final = "agentkv_sim_prefill_tokens_in_flight"
     SIM_DECODE_SLOWDOWN_SECONDS: Final = "agentkv_sim_decode_slowdown_seconds"
     SIM_SLOWED_DECODE_STEPS: Final = "agentkv_sim_slowed_decode_steps"
+    SIM_MODEL_INTER_TOKEN_SECONDS: Final = "agentkv_sim_model_inter_token_seconds"
+    SIM_PREFILL_QUEUE_SECONDS: Final = "agentkv_sim_prefill_queue_seconds"
     SIM_CPU_BLOCKS: Final = "agentkv_sim_cpu_blocks"
     SIM_CPU_SAVES: Final = "agentkv_sim_cpu_saves"
     SIM_CPU_SAVE_FAILURES: Final = "agentkv_sim_cpu_save_failures"

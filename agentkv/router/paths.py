@@ -25,6 +25,14 @@ decode step over the prompt):
 A vLLM engine always computes at least the last prompt token, so every cached count is capped at
 ``N − 1``; a read back of fewer than ``kv_recompute_threshold`` tokens is not one (P recomputes).
 
+Load: a prefill waits for the prompt tokens its engine is already prefilling (one GPU's compute),
+so a P path adds ``qP × P's per-token prefill`` (``qP``: the prompt tokens queued on P) and a
+decode-side path ``qD × D's per-token prefill`` (``qD``: D's prompt tokens in flight). A path is
+ranked by its **cost**: its TTFT plus what it adds to other requests' latency; a decode-side
+path's ``new`` prefill tokens make every one of D's ``S`` running streams wait
+``slowdown × new`` longer in all, so its cost adds ``S × slowdown × new`` (a P path's prefill
+slows no stream: P runs none).
+
 The decode-side paths (``decode``, ``cpu``) prefill on D, which slows D's running streams: each
 of their steps is longer by ``slowdown × min(tokens in flight, max_num_batched_tokens)`` while the
 prefill runs. They are allowed only when the new tokens are at most ``budget.max_new_tokens`` and
@@ -94,6 +102,19 @@ class Curves:
     """Per token loaded from D's CPU tier; None: D has no CPU tier (no ``cpu`` path)."""
     max_num_batched_tokens: int = 8192
     """vLLM's per-step token budget: the largest prefill chunk that shares a decode step."""
+
+    def queue_p_s(self, tokens: int) -> float:
+        """What a prefill on P waits for the ``tokens`` P is prefilling already."""
+        return self.prefill_p_s_per_token * max(0, tokens)
+
+    def queue_d_s(self, tokens: int) -> float:
+        """What a prefill on D waits for the ``tokens`` D is prefilling already."""
+        return self.prefill_d_s_per_token * max(0, tokens)
+
+    def streams_delay_s(self, new: int, streams: int) -> float:
+        """What ``new`` prompt tokens prefilled on D add to the latency of its ``streams``
+        running streams, summed over them: every step they share grows by the chunk's share."""
+        return self.slowdown_s_per_prefill_token * max(0, new) * max(0, streams)
 
     def transfer_s(self, tokens: int) -> float:
         return 0.0 if tokens <= 0 else self.transfer_s_base + self.transfer_s_per_token * tokens
@@ -184,7 +205,15 @@ class TurnState:
     d_cpu_tokens: int = 0
     """``c``: the prefix D's CPU tier holds (offload profile)."""
     d_in_flight_tokens: int = 0
-    """Prompt tokens already prefilling on that D."""
+    """Prompt tokens already prefilling on that D (``qD``; the router's count of its
+    decode-in-place turns until D's first bytes)."""
+    d_running_streams: int = 0
+    """``S``: requests running on that D (the router's count of its requests there, from the
+    request until the answer's end): each is slowed by a prefill on D."""
+    p_queued_tokens: int = 0
+    """``qP``: prompt tokens the P this turn would go to is prefilling already (the router's
+    count of what the least loaded P computes for its requests in flight: each prompt less what
+    it reads back)."""
     recompute_threshold: int = 64
     """P's ``kv_recompute_threshold``: a smaller read back is not made."""
 
@@ -206,6 +235,13 @@ class Estimate:
     """Tokens moved over NIXL (both directions) or loaded from the CPU tier."""
     d_itl_added_s: float = 0.0
     """What each step of D's running streams gains while this turn prefills on D."""
+    d_streams_delay_s: float = 0.0
+    """What this turn's prefill on D adds to the latency of D's running streams, summed."""
+
+    @property
+    def cost_s(self) -> float:
+        """What :func:`choose` ranks by: the TTFT and the delay the path adds to others."""
+        return self.ttft_s + self.d_streams_delay_s
 
 
 @dataclass(frozen=True)
@@ -232,6 +268,7 @@ def estimate(state: TurnState, curves: Curves) -> tuple[dict[Path, Estimate], di
     local = _cap(state.p_cached_tokens, n)
     g = _cap(state.d_cached_tokens, n)
     to_d = curves.transfer_s(n - g)
+    queue_p = curves.queue_p_s(state.p_queued_tokens)
     first = curves.first_decode_s(n)
     o = curves.overhead_s
     out: dict[Path, Estimate] = {}
@@ -240,7 +277,7 @@ def estimate(state: TurnState, curves: Curves) -> tuple[dict[Path, Estimate], di
     def p_turn(path: Path, read: int, ctx: int) -> None:
         out[path] = Estimate(
             path,
-            o + curves.transfer_s(read) + curves.prefill_p_s(n - ctx, ctx) + to_d + first,
+            o + queue_p + curves.transfer_s(read) + curves.prefill_p_s(n - ctx, ctx) + to_d + first,
             n - ctx,
             read + (n - g),
         )
@@ -265,10 +302,11 @@ def estimate(state: TurnState, curves: Curves) -> tuple[dict[Path, Estimate], di
         new = n - ctx
         out[path] = Estimate(
             path,
-            o + load_s + curves.prefill_d_s(new, ctx),
+            o + load_s + curves.queue_d_s(state.d_in_flight_tokens) + curves.prefill_d_s(new, ctx),
             new,
             loaded,
             curves.itl_added_s(state.d_in_flight_tokens + new),
+            curves.streams_delay_s(new, state.d_running_streams),
         )
 
     if g > 0:
@@ -288,7 +326,8 @@ def estimate(state: TurnState, curves: Curves) -> tuple[dict[Path, Estimate], di
 def choose(
     state: TurnState, curves: Curves | None = None, budget: DecodeBudget | None = None
 ) -> Choice:
-    """The cheapest path by estimated TTFT among those D's budget allows (ties: the order of
+    """The cheapest path by estimated cost (:attr:`Estimate.cost_s`: its TTFT and the delay it
+    adds to D's running streams) among those D's budget allows (ties: the order of
     :data:`PATHS`), and the runner-up's estimate."""
     curves = curves or Curves()
     budget = budget or DecodeBudget()
@@ -309,7 +348,7 @@ def choose(
                 )
                 continue
         allowed.append(e)
-    ranked = sorted(allowed, key=lambda e: (e.ttft_s, PATHS.index(e.path)))
+    ranked = sorted(allowed, key=lambda e: (e.cost_s, PATHS.index(e.path)))
     best = ranked[0]  # recompute is always there
     second = ranked[1] if len(ranked) > 1 else None
     return Choice(

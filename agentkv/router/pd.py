@@ -48,6 +48,7 @@ from agentkv.router.upstream import (
     LocalPrefix,
     Upstream,
     first_byte_deadline,
+    load,
     pick_decode,
     pick_prefill_by_prefix,
     release,
@@ -227,7 +228,8 @@ class Router:
             cfg.upstream.prefill_deadline_s
             + len(ids) / 1000 * cfg.upstream.prefill_deadline_per_1k_s
         )
-        engine.outstanding_tokens += len(ids)
+        new = max(1, len(ids) - kvt.num_tokens(action.params) * action.reads)
+        engine.count_prefill(len(ids), new)
         started = time.perf_counter()
         try:
             r = await engine.client.post(
@@ -249,7 +251,7 @@ class Router:
             engine.failed(cfg.upstream.eject_after_failures)
             return core.PrefillUnreachable()
         finally:
-            engine.outstanding_tokens -= len(ids)
+            engine.count_prefill(-len(ids), -new)
             self.metrics.p_seconds.observe(time.perf_counter() - started)
         if r.status == 200:
             engine.ok()
@@ -312,8 +314,9 @@ class Router:
             handles = await store.candidates(action.key)
             can_pull = any(e.healthy and e.backend.bidirectional for e in self.pool.prefill)
             engines = {e.url: e.identity for e in self.pool.decode}
-            out = frozenset(e.url for e in self.pool.decode if not e.healthy)
-            return core.Found(handles, engines, can_pull, self.in_flight.snapshot(), out)
+            out, running, queued = load(self.pool.decode, self.pool.prefill)
+            flight = self.in_flight.snapshot()
+            return core.Found(handles, engines, can_pull, flight, out, running, queued)
         if isinstance(action, core.Discard):
             if action.reason:
                 self.metrics.dropped.labels(action.reason).inc()

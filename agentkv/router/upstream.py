@@ -35,6 +35,7 @@ __all__ = [
     "LocalPrefix",
     "Upstream",
     "first_byte_deadline",
+    "load",
     "pick_decode",
     "pick_prefill",
     "pick_prefill_by_prefix",
@@ -63,6 +64,9 @@ class Upstream:
     failures: int = 0
     outstanding_tokens: int = 0
     outstanding_requests: int = 0
+    prefill_tokens: int = 0
+    """P: the prompt tokens it computes for the requests in flight there (each prompt less what it
+    reads back): its queue, in the path cost model."""
     on_eject: list[Callable[[Upstream], None]] = field(default_factory=list)
     identity: str | None = None
     """The engine id of the instance behind :attr:`url`, while confirmed: from D's handles and
@@ -76,6 +80,11 @@ class Upstream:
     """Called when the engine id behind the URL changes: a new engine (restarted)."""
     max_model_len: int | None = None
     """The context length the engine serves (its ``/v1/models``), once read."""
+
+    def count_prefill(self, prompt_tokens: int, computed_tokens: int) -> None:
+        """P: count a request's prompt and the tokens it computes in flight (negative: done)."""
+        self.outstanding_tokens += prompt_tokens
+        self.prefill_tokens += computed_tokens
 
     @property
     def url(self) -> str:
@@ -340,3 +349,15 @@ def first_byte_deadline(
     return (
         config.upstream.decode_first_byte_timeout_s + most * config.upstream.decode_token_timeout_s
     )
+
+
+def load(
+    decode: Sequence[Upstream], prefill: Sequence[Upstream]
+) -> tuple[frozenset[str], dict[str, int], int]:
+    """What the path cost model knows of the engines' load, from the router's own counts: the D's
+    out of rotation, each D's requests running, and the prompt tokens the least loaded healthy P
+    computes."""
+    out = frozenset(e.url for e in decode if not e.healthy)
+    running = {e.url: e.outstanding_requests for e in decode}
+    queued = min((e.prefill_tokens for e in prefill if e.healthy), default=0)
+    return out, running, queued

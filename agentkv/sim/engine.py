@@ -170,6 +170,8 @@ class Engine:
                 seed=config.seed,
             )
         self._prefill_in_flight = 0
+        self._prefill_free_at = 0.0
+        """When (this clock) the prefills computing or queued here are done."""
         self._prefill_started = 0
         """Prompt tokens of every prefill started so far (a step also pays for a prefill that
         started and ended within the step before it: vLLM would have scheduled it in this one)."""
@@ -327,7 +329,9 @@ class Engine:
                 if out:
                     extra = self._slowdown(self._prefill_started - seen)
                     seen = self._prefill_started
-                    await self.clock.sleep(self.cost.decode_s(1, n + len(out)) + extra)
+                    step = self.cost.decode_s(1, n + len(out)) + extra
+                    self.metrics.inter_token.observe(step)
+                    await self.clock.sleep(step)
                 # This step computes the previous token's KV: it may need a new block.
                 if n + len(out) > len(state.blocks) * bs:
                     state.blocks.extend(await self._allocate(1))
@@ -455,9 +459,12 @@ class Engine:
             self.metrics.external_hits.inc(cpu_tokens)
             self.metrics.cpu_loaded_tokens.inc(cpu_tokens)
         self.metrics.prefill_kv_computed.observe(computed)
-        self.metrics.ttft.observe((model_s + compute_s) * self.clock.scale)
         self._update_gauges()
         await self.clock.sleep(model_s)  # overhead, reads, CPU loads
+        waited = self._queue(compute_s)
+        model_s += waited
+        self.metrics.ttft.observe((model_s + compute_s) * self.clock.scale)
+        await self.clock.sleep(waited)
         # The prefill itself shares D's steps with the running decodes, a chunk of at most
         # ``max_num_batched_tokens`` at a time: each step of theirs is that much longer.
         in_flight = min(computed, self.config.max_num_batched_tokens)
@@ -472,6 +479,19 @@ class Engine:
         return Scheduled(
             n, local, external, computed, wrong, model_s + compute_s, decision, cpu_tokens
         )
+
+    def _queue(self, compute_s: float) -> float:
+        """Wait for the prefills this instance computes already (one GPU's compute: they run one
+        after another, in arrival order); the modelled seconds waited."""
+        scale = self.clock.scale
+        now = self.clock.now()
+        start = max(now, self._prefill_free_at)
+        self._prefill_free_at = start + compute_s * scale
+        if scale <= 0 or start <= now:
+            return 0.0
+        waited = (start - now) / scale
+        self.metrics.prefill_queue.inc(waited)
+        return waited
 
     @property
     def prefill_tokens_in_flight(self) -> int:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from agentkv.protocol import Metric
-from agentkv.protocol.promtext import parse_metrics
+from agentkv.protocol.promtext import histogram_buckets, histogram_quantile, parse_metrics
 from agentkv.router.retention import kv_usage
 from agentkv.sim.metrics import SimMetrics
 
@@ -40,3 +42,23 @@ def test_the_simulators_page_reads_back() -> None:
     page = metrics.render().decode()
     assert kv_usage(page) == 0.5
     assert parse_metrics(page)[Metric.KV_CACHE_USAGE_PERC] == 0.5
+
+
+def test_histogram_quantile_is_prometheus_s() -> None:
+    """Buckets from an instance's own histogram (two engines' series summed); quantiles
+    interpolate within the bucket the rank falls in, as Prometheus's ``histogram_quantile``."""
+    metrics = [SimMetrics("m", engine) for engine in ("0", "1")]
+    for step in (0.015, 0.015, 0.015, 0.015, 0.015, 0.015, 0.015, 0.015, 0.019, 0.3):
+        metrics[0].inter_token.observe(step)
+    metrics[1].inter_token.observe(0.015)
+    page = "".join(m.render().decode() for m in metrics)
+    buckets = histogram_buckets(page, Metric.SIM_MODEL_INTER_TOKEN_SECONDS)
+    assert buckets[float("inf")] == 11 and buckets[0.015] == 9
+    # rank 5.5 of 9 in (0.0125, 0.015]
+    assert histogram_quantile(buckets, 0.5) == pytest.approx(0.0125 + 0.0025 * 5.5 / 9)
+    # rank 9.9: the 10th observation, in (0.018, 0.019]
+    assert histogram_quantile(buckets, 0.9) == pytest.approx(0.018 + 0.001 * 0.9)
+    assert histogram_quantile(buckets, 0.99) == pytest.approx(0.2 + 0.1 * 0.89)
+    assert histogram_quantile({}, 0.5) is None
+    assert histogram_quantile({0.1: 0, float("inf"): 0}, 0.5) is None
+    assert histogram_quantile({0.1: 0, float("inf"): 2}, 0.5) == 0.1  # beyond the last bound

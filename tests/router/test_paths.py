@@ -27,6 +27,11 @@ def state(new: int, **kw: int) -> TurnState:
     return TurnState(prompt_tokens=H + new, **kw)
 
 
+def state4k(**kw: int) -> TurnState:
+    """1,000 new tokens after a 4k-token history that D holds and its handle carries."""
+    return TurnState(prompt_tokens=4 * K + 1000, handle_tokens=4 * K, d_cached_tokens=4 * K, **kw)
+
+
 # (case, turn, winner, runner-up, paths left out)
 CASES = [
     (
@@ -238,3 +243,58 @@ def test_load_curves_reads_a_calibrate_cost_file(tmp_path) -> None:
     for bad in (str(path), str(tmp_path / "missing.json")):
         with pytest.raises(ValueError, match="path_costs"):
             load_curves(bad)
+
+
+# D's and P's load on a turn of 1,000 new tokens after 4k: (case, turn, winner)
+LOAD = [
+    ("idle: decode in place", state4k(), "decode"),
+    ("2 streams on D: decode still costs less", state4k(d_running_streams=2), "decode"),
+    ("4 streams on D: their delay outweighs the read back", state4k(d_running_streams=4), "pull"),
+    (
+        "4 streams on D, P busier still: decode",
+        state4k(d_running_streams=4, p_queued_tokens=8 * K),
+        "decode",
+    ),
+    (
+        "D prefilling 6k tokens already: pull",
+        state4k(d_in_flight_tokens=6 * K),
+        "pull",
+    ),
+    (
+        "D prefilling 6k, P 8k: decode",
+        state4k(d_in_flight_tokens=6 * K, p_queued_tokens=8 * K),
+        "decode",
+    ),
+]
+
+
+@pytest.mark.parametrize(("turn", "winner"), [pytest.param(*c[1:], id=c[0]) for c in LOAD])
+def test_load_on_d_and_p_moves_the_choice(turn: TurnState, winner: Path) -> None:
+    choice = choose(turn)
+    assert choice.path == winner
+    assert choice.estimates[choice.path].cost_s == min(
+        e.cost_s for p, e in choice.estimates.items() if p not in choice.excluded
+    )
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "path", "ttft_added", "cost_added"),
+    [
+        # every P path waits for P's queue, at P's prefill per token
+        ("p_queued_tokens", 5000, "pull", 5000 * 2.2e-5, 5000 * 2.2e-5),
+        ("p_queued_tokens", 5000, "recompute", 5000 * 2.2e-5, 5000 * 2.2e-5),
+        ("p_queued_tokens", 5000, "decode", 0.0, 0.0),
+        # a decode-side path waits for D's prompt tokens in flight
+        ("d_in_flight_tokens", 3000, "decode", 3000 * 2.2e-5, 3000 * 2.2e-5),
+        ("d_in_flight_tokens", 3000, "pull", 0.0, 0.0),
+        # its 1,000 new tokens delay each of D's 3 streams by 1,000 x 22 µs: cost, not TTFT
+        ("d_running_streams", 3, "decode", 0.0, 3 * 1000 * 2.2e-5),
+        ("d_running_streams", 3, "pull", 0.0, 0.0),
+    ],
+)
+def test_each_load_term(field: str, value: int, path: Path, ttft_added: float, cost_added: float):
+    idle = choose(state4k()).estimates[path]
+    busy = choose(state4k(**{field: value})).estimates[path]
+    assert busy.ttft_s - idle.ttft_s == pytest.approx(ttft_added)
+    assert busy.cost_s - idle.cost_s == pytest.approx(cost_added)
+    assert busy.d_streams_delay_s == pytest.approx(cost_added - ttft_added)

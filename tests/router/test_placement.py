@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from agentkv.router.config import Backend
-from agentkv.router.upstream import Upstream, pick_decode, pick_prefill
+from agentkv.router.upstream import Upstream, load, pick_decode, pick_prefill
 
 
 def engine(
@@ -104,3 +104,23 @@ def test_decode_without_a_holder_and_when_ejected() -> None:
         d.healthy = False
     assert pick_decode(ds, None) is ds[1]  # all ejected: the least busy is tried anyway
     assert pick_decode([], None) is None
+
+
+def test_the_load_the_path_cost_model_reads() -> None:
+    """Each D's requests running; the prompt tokens the least loaded healthy P computes (a
+    request's prompt less what it reads back), not its whole prompt."""
+    d1, d2 = engine("http://d1", role="decode", requests=3), engine("http://d2", role="decode")
+    d2.healthy = False
+    p1, p2, p3 = (engine(f"http://p{i}") for i in (1, 2, 3))
+    p1.count_prefill(5000, 200)  # a read back of 4,800 tokens: P computes 200
+    p2.count_prefill(1000, 1000)
+    p3.count_prefill(10, 10)
+    p3.healthy = False
+    assert load([d1, d2], [p1, p2, p3]) == (
+        frozenset({"http://d2"}),
+        {"http://d1": 3, "http://d2": 0},
+        200,
+    )
+    p1.count_prefill(-5000, -200)
+    assert (p1.outstanding_tokens, p1.prefill_tokens) == (0, 0)
+    assert load([], [p3])[2] == 0  # no healthy P: nothing known

@@ -88,6 +88,10 @@ class World:
     reserve: list[bool] = field(default_factory=list)
     """Per :class:`~agentkv.router.turn.Reserve`: whether D's budget takes it."""
     unhealthy: frozenset[str] = frozenset()
+    running: dict[str, int] = field(default_factory=dict)
+    """Each D's requests running (the router's count)."""
+    p_queued: int = 0
+    """Prompt tokens queued on the least loaded P."""
 
 
 def short(url: str) -> str:
@@ -184,7 +188,13 @@ def drive(plan: Generator[core.Action, Any, Any], world: World) -> tuple[list[st
             answer = world.tokenized
         elif isinstance(action, core.Candidates):
             answer = core.Found(
-                world.handles, world.engines, world.can_pull, world.in_flight, world.unhealthy
+                world.handles,
+                world.engines,
+                world.can_pull,
+                world.in_flight,
+                world.unhealthy,
+                world.running,
+                world.p_queued,
             )
         elif isinstance(action, core.Take):
             answer = (
@@ -836,6 +846,39 @@ PATH_ROWS: list[tuple[str, World, RouterConfig, dict[str, Any], list[str], str]]
             "decode d1 via p1 [pull M=32 C=32 L=0 next=recompute]",
         ],
         "answered p1->d1 [pull M=32 C=32 L=0 next=recompute]",
+    ),
+    (
+        "400 streams on D: its 8 new tokens would delay them more than a read back costs: pull",
+        World([fresh(H1)], prefill=[(P1, 0, DONE)], decode=[(D1, STARTED)], running={D1: 400}),
+        CHOOSE,
+        {},
+        [
+            "resolve",
+            "candidates",
+            "take h1",
+            *PULL,
+            "pick-decode d1,d2 holder=d1",
+            "decode d1 via p1 [pull M=32 C=32 L=0 next=recompute]",
+        ],
+        "answered p1->d1 [pull M=32 C=32 L=0 next=recompute]",
+    ),
+    (
+        "400 streams on the other D, and P's queue long: in place on the D that holds the handle",
+        World(
+            [fresh(H1)],
+            decode=[(D1, STARTED)],
+            reserve=[True],
+            running={D2: 400},
+            p_queued=100_000,
+        ),
+        CHOOSE,
+        {},
+        [
+            *IN_PLACE,
+            "decode d1 in place [decode M=0 C=32 L=? next=recompute]",
+            "release h1 superseded",
+        ],
+        "answered in place->d1 [decode M=0 C=32 L=? next=recompute]",
     ),
     (
         "D's budget filled between the choice and the reservation: pull, the handle unspent",

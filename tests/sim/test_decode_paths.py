@@ -183,6 +183,43 @@ def test_a_prefill_on_d_slows_its_running_streams(tmp_path: Path, slowdown: floa
         d.stop()
 
 
+def test_prefills_queue_and_steps_are_in_the_inter_token_histogram(tmp_path: Path) -> None:
+    """Two 2,000-token prefills sent together to one instance (0.2 s of compute each): one
+    computes while the other waits, and the wait is in the second's modelled TTFT and the queue
+    counter. A 10-token answer's 9 later steps (20 ms each) are the inter-token histogram's."""
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"prefill_s_per_token": 1e-4, "decode_s_per_token": 0.02}))
+    (d,) = start_sims([["--role", "decode", "--costs", str(costs), "--block-size", str(BS)]])
+    itl = "agentkv_sim_model_inter_token_seconds"
+    try:
+        with httpx.Client(timeout=30, trust_env=False) as client:
+            before = metrics(client, d)
+            ttfts: list[float] = []
+
+            def send(seed: int) -> None:
+                with httpx.Client(timeout=30, trust_env=False) as c:
+                    r = complete(c, d, ids(2000, seed), max_tokens=1)
+                    ttfts.append(float(r.headers["X-AgentKV-Sim-Model-TTFT-Ms"]) / 1000)
+
+            threads = [threading.Thread(target=send, args=(s,)) for s in (7, 8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            middle = metrics(client, d)
+            complete(client, d, ids(64, 9), max_tokens=10, ignore_eos=True)
+            after = metrics(client, d)
+        first, second = sorted(ttfts)
+        assert first == pytest.approx(0.2, abs=0.01)
+        waited = delta(middle, before, "agentkv_sim_prefill_queue_seconds_total")
+        assert second == pytest.approx(0.2 + waited, abs=0.01) and waited > 0.1
+        assert delta(after, middle, f"{itl}_count") == 9
+        assert delta(after, middle, f"{itl}_sum") == pytest.approx(9 * 0.02)
+        assert delta(middle, before, f"{itl}_count") == 0  # a 1-token answer has no later step
+    finally:
+        d.stop()
+
+
 @pytest.fixture(scope="module")
 def offload() -> Iterator[tuple[SimProcess, SimProcess]]:
     """Two D's with 64 GPU blocks (1,024 tokens) and a CPU tier of 256 blocks; the second's saves

@@ -271,6 +271,10 @@ class Found:
     """Each D's new prompt tokens of decode-in-place turns in flight (absent: none)."""
     unhealthy: frozenset[str] = frozenset()
     """The D's out of rotation (no turn decodes in place there)."""
+    running: Mapping[str, int] = field(default_factory=dict)
+    """Each D's requests running (the router's own count; absent: none)."""
+    p_queued_tokens: int = 0
+    """Prompt tokens the least loaded healthy P is prefilling (the router's own count)."""
 
 
 @dataclass(frozen=True)

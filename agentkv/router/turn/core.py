@@ -147,6 +147,8 @@ def _choose(
         // cfg.upstream.block_size
         * cfg.upstream.block_size,
         d_in_flight_tokens=in_flight.get(url, 0),
+        d_running_streams=found.running.get(url, 0),
+        p_queued_tokens=found.p_queued_tokens,
         recompute_threshold=cfg.upstream.kv_recompute_threshold,
     )
     budget = DecodeBudget(cfg.paths.decode_max_new_tokens, cfg.paths.decode_tokens_in_flight)
@@ -172,7 +174,7 @@ def _estimated(receipt: Receipt, choice: Choice) -> Receipt:
         for path, e in choice.estimates.items()
         if path != receipt.decision and path not in choice.excluded
     ]
-    best = min(others, key=lambda e: (e.ttft_s, PATHS.index(e.path)), default=None)
+    best = min(others, key=lambda e: (e.cost_s, PATHS.index(e.path)), default=None)
     return replace(
         receipt,
         estimate_s=taken.ttft_s,
