@@ -39,7 +39,8 @@ from agentkv.router.errors import router_error_handling
 from agentkv.router.guard import GuardedStore
 from agentkv.router.http import ClientFactory, TransportError
 from agentkv.router.identity import Identity, IdentityLedger, MemoryLedger, RedisLedger
-from agentkv.router.kv_index import KVEventSubscriber, PrefixIndex
+from agentkv.router.kv_index import PrefixIndex
+from agentkv.router.kv_subscriber import KVEventSubscriber
 from agentkv.router.leases import MemoryLeases, RedisLeases
 from agentkv.router.logs import safe
 from agentkv.router.messages import (
