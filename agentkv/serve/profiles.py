@@ -208,6 +208,12 @@ class DecodeGroup(Group):
     side_channel_base_port: int = Field(5700, ge=1, le=65535)
     offload: OffloadSettings | None = None
     """CPU offload of D's KV (``[decode.offload]``); off when absent."""
+    kv_events_base_port: int | None = Field(None, ge=1, le=65535)
+    """ZMQ port of instance 0's KV cache events (instance i: ``+ i``), as
+    ``prefill.kv_events_base_port``. With ``[decode.offload]`` the OffloadingConnector publishes
+    its CPU tier's stores and evictions there (``self_describing_kv_events``), so the router
+    knows what each D's CPU tier holds and can send a turn whose handle is gone to that D (path
+    ``cpu``, docs/paths.md). Unset: no events."""
 
 
 class RouterSettings(_Model):
@@ -455,10 +461,14 @@ class Profile(_Model):
                 claim(group.base_port + i, f"{role}-{i} (HTTP)")
                 if self.engine == "vllm":
                     claim(group.side_channel_base_port + i, f"{role}-{i} (NIXL side channel)")
-        events = self.prefill.kv_events_base_port
-        if events is not None:
-            for i in range(self.prefill.count):
-                claim(events + i, f"prefill-{i} (KV events)")
+        for role, events in (
+            ("prefill", self.prefill.kv_events_base_port),
+            ("decode", self.decode.kv_events_base_port),
+        ):
+            if events is not None:
+                for i in range(self.group(role).count):
+                    claim(events + i, f"{role}-{i} (KV events)")
+        if self.prefill.kv_events_base_port or self.decode.kv_events_base_port:
             for where, args in (
                 ("extra_args", self.extra_args),
                 *((f"{r}.extra_args", self.group(r).extra_args) for r in _ROLES),
@@ -466,7 +476,7 @@ class Profile(_Model):
                 if any(a.split("=", 1)[0] == "--kv-events-config" for a in args):
                     problems.append(
                         f"{where}: --kv-events-config is set by the profile "
-                        "(prefill.kv_events_base_port); remove one of them"
+                        "(kv_events_base_port); remove one of them"
                     )
         return problems
 
