@@ -42,12 +42,12 @@ and the engine's own block hashes (``distributed/kv_transfer/kv_connector/v1/off
 events.py`` lines 384–467). They carry token ids, parent hash and block size only with
 ``kv_connector_extra_config.self_describing_kv_events: true`` (default false: a placeholder with
 no tokens and ``block_size`` 0, lines 352–382, which never counts), and no ``extra_keys``
-("Deferred", lines 95 and 346): a CPU root block's salt is taken from the GPU ``BlockStored`` of the same
-engine hash (the block was computed on the GPU before it was offloaded), so a CPU index also
-notes the namespace of the GPU roots it sees. ``AllBlocksCleared`` (a prefix-cache reset, GPU
-only: ``v1/core/block_pool.py`` line 908) leaves a CPU index as it is. What a CPU index says is
-used to send a turn to that D, never to read anything: D's engine looks its CPU tier up by its
-own hashes, and the receipt states what D reported loading.
+("Deferred", lines 95 and 346): a CPU root block's salt is taken from the GPU ``BlockStored``
+of the same engine hash (the block was computed on the GPU before it was offloaded), so a CPU
+index also notes the namespace of the GPU roots it sees. ``AllBlocksCleared`` (a prefix-cache
+reset, GPU only: ``v1/core/block_pool.py`` line 908) leaves a CPU index as it is. What a CPU
+index says is used to send a turn to that D, never to read anything: D's engine looks its CPU
+tier up by its own hashes, and the receipt states what D reported loading.
 """
 
 from __future__ import annotations
