@@ -200,7 +200,9 @@ def cpu_held(
     out: dict[str, int] = {}
     for e in engines:
         index = indexes.get(e.url)
-        held = index.local_prefix_tokens(ids, cache_salt) if index and e.healthy else None
+        if index is None or not e.healthy:
+            continue
+        held = index.local_prefix_tokens(ids, cache_salt)
         if held:
             out[e.url] = held
     return out

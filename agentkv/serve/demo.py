@@ -122,6 +122,8 @@ DECISIONS = {
     "([bold]trimmed[/]: after a rewrite, only the prefix the rewrite left unchanged)",
     "decode": "the turn went straight to the D that held the history, which prefilled only "
     "the new tokens from its own prefix cache (router config paths = choose)",
+    "cpu": "the handle was gone; the turn went to the D whose CPU tier held the history, "
+    "which loaded it and prefilled the rest (router config paths = choose, D's KV events)",
     "stale": "a handle the prompt does not extend, released, nothing read",
     "local": "P's own prefix cache held what D offered; nothing read",
     "recompute": "too little to read; recomputed",
