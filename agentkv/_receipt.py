@@ -66,9 +66,9 @@ class TurnReceipt:
     cached_tokens: int | None
     """``usage.prompt_tokens_details.cached_tokens`` as the server reported it."""
     decision: str | None
-    """``X-AgentKV-Decision`` (``pull``, ``decode``: decoded in place on D without P,
-    ``local``, ``recompute``, ``miss``, ``stale``, ``expired``); None when no agentkv router
-    answered."""
+    """``X-AgentKV-Decision`` (``pull``, ``decode``: decoded in place on D without P, ``cpu``:
+    on the D whose CPU tier held the prefix, without P, ``local``, ``recompute``, ``miss``,
+    ``stale``, ``expired``); None when no agentkv router answered."""
     reused_tokens: int | None
     """M: prompt tokens P read from D's blocks (``X-AgentKV-Reused-Tokens``); an upper bound
     when ``estimated``."""

@@ -143,6 +143,8 @@ def local_stack(
         count = base.group(role).count
         data[role]["base_port"] = _free_range(count, taken)
         data[role]["side_channel_base_port"] = _free_range(count, taken)
+        if data[role].get("kv_events_base_port") is not None:
+            data[role]["kv_events_base_port"] = _free_range(count, taken)
     if base.engine == "sim":
         sim = dict(data.get("sim") or {})
         sim["time_scale"] = time_scale

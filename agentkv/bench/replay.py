@@ -470,6 +470,8 @@ async def _run_session(
         rec.reusable_tokens = ideal
         rec.ideal_tokens = ideal if rec.within_ttl else 0
         rec.read_reuse(receipt.decision or "", receipt.cached_tokens)
+        if rec.decision == "cpu":  # D's CPU tier held it past the TTL: reusable after all
+            rec.ideal_tokens = ideal
         rec.router_reused_tokens = receipt.reused_tokens or 0
         rec.read_headers(capture.headers.pop(conv.id, {}))
         rec.verified_tokens = receipt.verified_prefix_tokens or 0

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 __all__ = [
     "END_SEQ",
+    "MEDIUM_CPU",
     "MEDIUM_GPU",
     "AllBlocksCleared",
     "BlockRemoved",
@@ -45,6 +46,8 @@ ExternalBlockHash = bytes | int
 """``vllm.v1.core.kv_cache_utils.ExternalBlockHash``."""
 
 MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+"""Blocks in an OffloadingConnector's CPU tier (``offloading/events.py``, vLLM 0.33)."""
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """The replay socket's end-of-replay sequence number (``ZmqEventPublisher.END_SEQ``)."""
 

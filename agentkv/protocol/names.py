@@ -97,19 +97,20 @@ HEADER_PATH_ESTIMATE_MS: Final = "X-AgentKV-Path-Estimate-Ms"
 """The cost model's estimated time to first token of the path the turn took (set only when the
 cost model chose it: config ``paths``, a verified handle)."""
 HEADER_RUNNER_UP: Final = "X-AgentKV-Runner-Up"
-"""The path the cost model ranked next (``pull``, ``decode``, ``local``, ``recompute``)."""
+"""The path the cost model ranked next (``pull``, ``decode``, ``local``, ``recompute``,
+``cpu``)."""
 HEADER_RUNNER_UP_ESTIMATE_MS: Final = "X-AgentKV-Runner-Up-Estimate-Ms"
 """Its estimated time to first token."""
 HEADER_DECODE_CACHED_TOKENS: Final = "X-AgentKV-Decode-Cached-Tokens"
-"""Decoding in place: the prompt tokens D found in its own prefix cache (and CPU tier), as D
-reported them (the simulator's headers, or a whole answer's
+"""Straight to D (``decode``, ``cpu``): the prompt tokens D found in its own prefix cache and
+CPU tier, as D reported them (the simulator's headers, or a whole answer's
 ``usage.prompt_tokens_details.cached_tokens``); absent when D has not said yet (a relayed
 vLLM stream: its usage comes at the end)."""
 HEADER_LEASE: Final = "X-AgentKV-Lease"
 """Seconds the router keeps a conversation's handles while its agent lives (renewed by each turn
 or ``POST /v1/conversations/{id}/lease``); when it lapses, D's blocks are released at once."""
 
-DECISIONS: Final = ("pull", "decode", "local", "recompute", "miss", "stale", "expired")
+DECISIONS: Final = ("pull", "decode", "cpu", "local", "recompute", "miss", "stale", "expired")
 """Values of ``X-AgentKV-Decision``."""
 
 # -- headers: simulator receipts (agentkv's own engine simulator only) --------------------------

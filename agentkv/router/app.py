@@ -39,7 +39,8 @@ from agentkv.router.errors import router_error_handling
 from agentkv.router.guard import GuardedStore
 from agentkv.router.http import ClientFactory, TransportError
 from agentkv.router.identity import Identity, IdentityLedger, MemoryLedger, RedisLedger
-from agentkv.router.kv_index import KVEventSubscriber, PrefixIndex
+from agentkv.router.kv_index import PrefixIndex
+from agentkv.router.kv_subscriber import KVEventSubscriber
 from agentkv.router.leases import MemoryLeases, RedisLeases
 from agentkv.router.logs import safe
 from agentkv.router.memory_store import MemoryStore
@@ -138,13 +139,14 @@ def create_app(
         enabled=config.identity.keep,
         on_error=lambda op: metrics.store_errors.labels(op).inc(),
     )
-    indexes, subscribers = kv_event_indexes(config)
+    indexes, cpu_indexes, subscribers = kv_event_indexes(config)
     router = Router(
         config,
         pool,
         the_store,
         metrics,
         local_prefix=indexes,
+        cpu_prefix=cpu_indexes,
         leases=leases,
         identity=identity,
     )
@@ -270,7 +272,7 @@ def create_app(
             metrics.store_size.set(size)
         for e in pool.all:
             metrics.healthy.labels(e.role, e.url).set(1 if e.ready else 0)
-        for url, index in indexes.items():
+        for url, index in (*indexes.items(), *cpu_indexes.items()):
             metrics.kv_index_in_sync.labels(url).set(1 if index.in_sync else 0)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -402,18 +404,20 @@ def response_store(config: RouterConfig, handles: HandleStore) -> ResponseStore:
 
 def kv_event_indexes(
     config: RouterConfig,
-) -> tuple[dict[str, PrefixIndex], list[KVEventSubscriber]]:
-    """A prefix index and a subscriber for every P whose KV events are configured."""
-    indexes: dict[str, PrefixIndex] = {}
+) -> tuple[dict[str, PrefixIndex], dict[str, PrefixIndex], list[KVEventSubscriber]]:
+    """An index and a subscriber for every engine whose KV events are configured: of each P's
+    prefix cache, of each D's CPU tier (``medium: "CPU"`` events; docs/paths.md)."""
+    indexes: tuple[dict[str, PrefixIndex], dict[str, PrefixIndex]] = ({}, {})
     subscribers: list[KVEventSubscriber] = []
-    for backend in config.upstream.prefill:
-        events = backend.kv_events
-        if events is None or not events.active:
-            continue
-        index = PrefixIndex(config.upstream.block_size)
-        indexes[backend.url] = index
-        subscribers.append(KVEventSubscriber.from_config(events, index, host=backend.host))
-    return indexes, subscribers
+    for role, backends in enumerate((config.upstream.prefill, config.upstream.decode)):
+        for backend in backends:
+            events = backend.kv_events
+            if events is None or not events.active:
+                continue
+            index = PrefixIndex(config.upstream.block_size, medium="CPU" if role else "GPU")
+            indexes[role][backend.url] = index
+            subscribers.append(KVEventSubscriber.from_config(events, index, host=backend.host))
+    return indexes[0], indexes[1], subscribers
 
 
 class _MetricsServer:

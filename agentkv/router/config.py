@@ -60,7 +60,10 @@ class Backend(BaseModel):
     """P: the instance's ``--kv-events-config`` (vLLM's JSON, as given to the engine). The router
     subscribes to its events to know what P holds in its own prefix cache (L): then receipts say
     what P really read from D (not an estimate) and the P with the longest local prefix is
-    chosen. Events are an accelerator: lost ones cost accuracy, never a wrong read."""
+    chosen. D: its events tell what D's CPU tier holds (vLLM's OffloadingConnector with
+    ``self_describing_kv_events``), so a turn whose handle is gone can go to the D whose CPU
+    tier holds its prefix (path ``cpu``, docs/paths.md). Events are an accelerator: lost ones
+    cost accuracy, never a wrong read."""
     side_channel_host: str | None = None
     """What P must use to reach this D's handle (``remote_host``); default: the URL's host."""
 

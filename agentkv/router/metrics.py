@@ -131,8 +131,8 @@ class RouterMetrics:
     kv_index_in_sync = Family(
         Gauge,
         R.KV_INDEX_IN_SYNC,
-        "1 when the index of P's prefix cache (its KV events) is in sync with P, so receipts "
-        "state L; 0: L unknown, receipts say estimated.",
+        "1 when the index of an engine's KV events is in sync with it (P: its prefix cache, "
+        "receipts state L; D: its CPU tier, turns may take the cpu path); 0: unknown.",
         ("url",),
     )
     identity = Family(

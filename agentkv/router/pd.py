@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Mapping
+from collections.abc import Awaitable, Callable, Generator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -39,7 +39,7 @@ from agentkv.router.receipt import Receipt, account, decode_found, sim_receipt
 from agentkv.router.relay import Relay, StreamOutcome
 from agentkv.router.request import ClientRequest, TokenIds, wire_ids
 from agentkv.router.retention import Retention
-from agentkv.router.sse import Captured, clean_response, synthesize_stream
+from agentkv.router.sse import Captured, aiter_chunks, clean_response, synthesize_stream
 from agentkv.router.store import StoredHandle
 from agentkv.router.tasks import TaskSet
 from agentkv.router.tracing import trace_headers
@@ -47,6 +47,7 @@ from agentkv.router.upstream import (
     EnginePool,
     LocalPrefix,
     Upstream,
+    cpu_held,
     first_byte_deadline,
     load,
     pick_decode,
@@ -107,6 +108,7 @@ class Router:
         metrics: RouterMetrics,
         *,
         local_prefix: Mapping[str, LocalPrefix] | None = None,
+        cpu_prefix: Mapping[str, LocalPrefix] | None = None,
         leases: Leases | None = None,
         identity: Identity | None = None,
     ) -> None:
@@ -124,6 +126,8 @@ class Router:
         )
         self.local_prefix: dict[str, LocalPrefix] = dict(local_prefix or {})
         """P url -> its prefix index (only P's whose KV events the router reads)."""
+        self.cpu_prefix: dict[str, LocalPrefix] = dict(cpu_prefix or {})
+        """D url -> the index of its CPU tier (only D's whose KV events the router reads)."""
         self.relay = Relay(
             drain_timeout_s=config.upstream.drain_timeout_s, max_drains=config.upstream.max_drains
         )
@@ -341,6 +345,8 @@ class Router:
             await self.identity.record(action.pending, action.prompt, action.output, action.message)
         elif isinstance(action, core.Identify):
             self._decode_by_url[action.url].identify(action.engine_id)
+        elif isinstance(action, core.CpuHeld):
+            return cpu_held(self.pool.decode, self.cpu_prefix, action.prompt, action.cache_salt)
         elif isinstance(action, core.Reserve):
             return self.in_flight.reserve(action.url, action.tokens, self._budget)
         elif isinstance(action, core.PickDecode):
@@ -458,7 +464,7 @@ class Router:
                     data, chat=req.chat, include_usage=bool(opts.get("include_usage"))
                 )
                 turn.response = StreamingResponse(
-                    _iterate(chunks), media_type="text/event-stream", headers=headers
+                    aiter_chunks(chunks), media_type="text/event-stream", headers=headers
                 )
             else:
                 turn.response = ORJSONResponse(data, headers=headers)
@@ -501,8 +507,3 @@ class Router:
         plan = core.remember_plan(job, captured, engine.url, engine.backend.side_channel_host)
         if await _drive(plan, self._perform) == "unknown":
             log.warning("decode %s returned a handle of an unknown shape: not kept", engine.url)
-
-
-async def _iterate(chunks: Any) -> AsyncIterator[bytes]:
-    for chunk in chunks:
-        yield chunk

@@ -32,7 +32,11 @@ from agentkv.router.logs import safe
 from agentkv.router.metrics import RouterMetrics
 from agentkv.router.request import ClientRequest
 
-__all__ = ["Receipt", "account", "decode_found", "sim_receipt"]
+__all__ = ["ON_D", "Receipt", "account", "decode_found", "sim_receipt"]
+
+ON_D = frozenset({"decode", "cpu"})
+"""The decisions of a turn sent straight to D, no P (docs/paths.md): D's own GPU prefix cache
+(``decode``) or its CPU tier (``cpu``)."""
 
 log = logging.getLogger("agentkv.router")
 
@@ -58,8 +62,8 @@ class Receipt:
     """The path it ranked next, and that path's estimate."""
     runner_up_s: float | None = None
     found: int | None = None
-    """Decoding in place: the prompt tokens D found cached, as D reported them (None: not said
-    yet)."""
+    """Straight to D (``decode``, ``cpu``): the prompt tokens D found cached, its GPU prefix
+    cache and CPU tier together, as D reported them (None: not said yet)."""
 
     def headers(self) -> dict[str, str]:
         out = {
@@ -67,8 +71,8 @@ class Receipt:
             HEADER_REUSED_TOKENS: str(self.reused),
             HEADER_VERIFIED_PREFIX_TOKENS: str(self.verified),
         }
-        if self.decision == "decode":
-            pass  # decoded in place: no P, so no L
+        if self.decision in ON_D:
+            pass  # straight to D: no P, so no L
         elif self.local is None:
             out[HEADER_ESTIMATED] = "1"
         else:
@@ -143,7 +147,7 @@ def account(
     metrics.prompt_tokens.inc(len(ids))
     if r.local is not None:
         metrics.local_prefix_tokens.inc(r.local)
-    elif r.decision != "decode":  # decoded in place: no P, no L to estimate
+    elif r.decision not in ON_D:  # straight to D: no P, no L to estimate
         metrics.estimated.inc()
     if r.cause:
         metrics.trimmed.labels(r.cause).inc()

@@ -18,7 +18,7 @@ to the client in one write.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +30,7 @@ from agentkv.protocol.http import sse
 __all__ = [
     "Captured",
     "EventRelay",
+    "aiter_chunks",
     "clean_response",
     "rewrite_chunk",
     "synthesize_stream",
@@ -284,6 +285,12 @@ def _without_prompt_ids(block: bytes) -> bytes:
         return block
     out.append(block[done:])
     return b"".join(out)
+
+
+async def aiter_chunks(chunks: Iterable[bytes]) -> AsyncIterator[bytes]:
+    """A synthesized stream (:func:`synthesize_stream`) as a response body, in the event loop."""
+    for chunk in chunks:
+        yield chunk
 
 
 def synthesize_stream(body: dict[str, Any], *, chat: bool, include_usage: bool) -> Iterator[bytes]:

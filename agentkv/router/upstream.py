@@ -198,6 +198,25 @@ def pick_prefill_by_prefix(
     return best, best_local
 
 
+def cpu_held(
+    engines: Sequence[Upstream],
+    indexes: Mapping[str, LocalPrefix],
+    ids: Sequence[int],
+    cache_salt: str | None,
+) -> dict[str, int]:
+    """Each healthy D's CPU-tier prefix of ``ids`` (``indexes``: D url -> the index of its CPU
+    tier's KV events); D's without one, out of sync or holding nothing are left out."""
+    out: dict[str, int] = {}
+    for e in engines:
+        index = indexes.get(e.url)
+        if index is None or not e.healthy:
+            continue
+        held = index.local_prefix_tokens(ids, cache_salt)
+        if held:
+            out[e.url] = held
+    return out
+
+
 def _cap_local(local: int, n: int, block_size: int) -> int:
     """vLLM's prefix-cache hit never covers the last prompt token (at most (n-1)//bs blocks)."""
     return min(local, (n - 1) // block_size * block_size) if n > 0 else 0

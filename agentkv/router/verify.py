@@ -74,7 +74,7 @@ def block_digests(data: bytes, block_size: int, root: bytes) -> bytes:
 
 def chain_hashes(ids: Sequence[int], block_size: int, root: bytes = b"") -> list[str]:
     """Hex chained hashes of every full block of ``ids`` (int64), starting from ``root``: the
-    key of :class:`~agentkv.router.kv_index.KVIndex`'s blocks (the handle verification uses
+    key of :class:`~agentkv.router.kv_index.PrefixIndex`'s blocks (the handle verification uses
     :func:`block_digests`)."""
     data = array("q", ids).tobytes()
     step = block_size * 8

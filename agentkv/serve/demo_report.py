@@ -17,7 +17,9 @@ DECISIONS = {
     "pull": "P read the verified history's KV back from D instead of recomputing it "
     "([bold]trimmed[/]: after a rewrite, only the prefix the rewrite left unchanged)",
     "decode": "the turn went straight to the D that held the history, which prefilled only "
-    "the new tokens from its own prefix cache (router config paths = choose)",
+    "the new tokens from its own prefix cache (router config paths.mode = choose)",
+    "cpu": "the handle was gone; the turn went to the D whose CPU tier held the history, "
+    "which loaded it and prefilled the rest (router config paths.mode = choose, D's KV events)",
     "stale": "a handle the prompt does not extend, released, nothing read",
     "local": "P's own prefix cache held what D offered; nothing read",
     "recompute": "too little to read; recomputed",

@@ -168,6 +168,10 @@ def kv_transfer_config(profile: Profile, role: EngineRole) -> dict[str, Any]:
         offload_extra["block_size"] = offload.block_size
     if offload.eviction_policy is not None:
         offload_extra["eviction_policy"] = offload.eviction_policy
+    if profile.decode.kv_events_base_port is not None:
+        # the CPU tier's events with their tokens, so the router can match them to prompts
+        # (vLLM 0.33: v1/kv_offload/base.py lines 719-722; off, a placeholder without tokens)
+        offload_extra["self_describing_kv_events"] = True
     return {
         "kv_connector": "MultiConnector",
         "kv_role": kv_role,
@@ -189,14 +193,15 @@ def kv_transfer_config(profile: Profile, role: EngineRole) -> dict[str, Any]:
 
 def kv_events_config(profile: Profile, inst: Instance, host: str) -> dict[str, Any] | None:
     """vLLM's ``--kv-events-config`` for one instance (``KVEventsConfig``, vLLM 0.33), or None:
-    prefill instances only, when ``prefill.kv_events_base_port`` is set.
+    when its role's ``kv_events_base_port`` is set (a P's prefix cache; a D's CPU tier).
 
     Engines on one host (``127.0.0.1``): ``tcp://HOST:PORT``, not a wildcard, so the engine
     connects and the router binds it (vLLM cannot bind a single interface: it binds only
     wildcard endpoints). Engines on every interface (``0.0.0.0``, as in Kubernetes):
     ``tcp://*:PORT``, so the engine binds and the router connects to the engine's host."""
-    base = profile.prefill.kv_events_base_port
-    if inst.role != "prefill" or base is None:
+    group = profile.prefill if inst.role == "prefill" else profile.decode
+    base = group.kv_events_base_port
+    if base is None:
         return None
     port = base + inst.index
     if host in ("0.0.0.0", "", "::"):
@@ -335,9 +340,11 @@ def router_config(
     decode_urls: list[str],
     store: str | None = None,
     prefill_kv_events: Sequence[dict[str, Any] | None] = (),
+    decode_kv_events: Sequence[dict[str, Any] | None] = (),
 ) -> dict[str, Any]:
     """The router's configuration, from the values the engines get; validated.
-    ``prefill_kv_events[i]``: prefill instance i's ``--kv-events-config``, if it has one."""
+    ``prefill_kv_events[i]``: prefill instance i's ``--kv-events-config``, if it has one;
+    ``decode_kv_events[i]`` the same for decode instance i."""
     prefill: list[dict[str, Any]] = []
     for i, url in enumerate(prefill_urls):
         backend: dict[str, Any] = {"url": url, "bidirectional": profile.bidirectional}
@@ -345,14 +352,17 @@ def router_config(
         if events is not None:
             backend["kv_events"] = events
         prefill.append(backend)
-    decode = [
-        {
-            "url": u,
+    decode: list[dict[str, Any]] = []
+    for i, url in enumerate(decode_urls):
+        backend = {
+            "url": url,
             "bidirectional": profile.bidirectional,
             "handle_on_stream": profile.compat != "0.32",
         }
-        for u in decode_urls
-    ]
+        events = decode_kv_events[i] if i < len(decode_kv_events) else None
+        if events is not None:
+            backend["kv_events"] = events
+        decode.append(backend)
     from agentkv.router.config import RouterConfig
 
     router = profile.router
@@ -392,12 +402,11 @@ def expand(profile: Profile, *, host: str = "127.0.0.1") -> Deployment:
     """Every process of ``profile`` on ``host``: prefill, decode, then the router. Pure."""
     specs: list[ProcessSpec] = []
     urls: dict[str, list[str]] = {"prefill": [], "decode": []}
-    events: list[dict[str, Any] | None] = []
+    events: dict[str, list[dict[str, Any] | None]] = {"prefill": [], "decode": []}
     for inst in instances(profile):
         url = _url(host, inst.port)
         urls[inst.role].append(url)
-        if inst.role == "prefill":
-            events.append(kv_events_config(profile, inst, host))
+        events[inst.role].append(kv_events_config(profile, inst, host))
         specs.append(
             ProcessSpec(
                 name=inst.name,
@@ -413,7 +422,8 @@ def expand(profile: Profile, *, host: str = "127.0.0.1") -> Deployment:
         host=host,
         prefill_urls=urls["prefill"],
         decode_urls=urls["decode"],
-        prefill_kv_events=events,
+        prefill_kv_events=events["prefill"],
+        decode_kv_events=events["decode"],
     )
     specs.append(
         ProcessSpec(

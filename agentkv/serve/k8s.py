@@ -214,6 +214,9 @@ def _router_objects(
         prefill_kv_events=[
             kv_events_config(profile, inst, "0.0.0.0") for inst in insts if inst.role == "prefill"
         ],
+        decode_kv_events=[
+            kv_events_config(profile, inst, "0.0.0.0") for inst in insts if inst.role == "decode"
+        ],
     )
     config_map = {
         "apiVersion": "v1",

@@ -33,6 +33,8 @@ def engine_ports(profile: Profile) -> int:
         n += profile.prefill.count + profile.decode.count
     if profile.prefill.kv_events_base_port is not None:
         n += profile.prefill.count
+    if profile.decode.kv_events_base_port is not None:
+        n += profile.decode.count
     return n
 
 
@@ -59,6 +61,9 @@ def with_ports(
             nxt += p + d
         if profile.prefill.kv_events_base_port is not None:
             data["prefill"]["kv_events_base_port"] = nxt
+            nxt += p
+        if profile.decode.kv_events_base_port is not None:
+            data["decode"]["kv_events_base_port"] = nxt
     flags = " ".join(
         f"--{name} {value}"
         for name, value in (("port", port), ("base-port", base_port))

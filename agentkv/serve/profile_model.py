@@ -281,10 +281,14 @@ class Profile(BaseModel):
                 claim(group.base_port + i, f"{role}-{i} (HTTP)")
                 if self.engine == "vllm":
                     claim(group.side_channel_base_port + i, f"{role}-{i} (NIXL side channel)")
-        events = self.prefill.kv_events_base_port
-        if events is not None:
-            for i in range(self.prefill.count):
-                claim(events + i, f"prefill-{i} (KV events)")
+        for role, events in (
+            ("prefill", self.prefill.kv_events_base_port),
+            ("decode", self.decode.kv_events_base_port),
+        ):
+            if events is not None:
+                for i in range(self.group(role).count):
+                    claim(events + i, f"{role}-{i} (KV events)")
+        if self.prefill.kv_events_base_port or self.decode.kv_events_base_port:
             for where, args in (
                 ("extra_args", self.extra_args),
                 *((f"{r}.extra_args", self.group(r).extra_args) for r in _ROLES),
@@ -292,7 +296,7 @@ class Profile(BaseModel):
                 if any(a.split("=", 1)[0] == "--kv-events-config" for a in args):
                     problems.append(
                         f"{where}: --kv-events-config is set by the profile "
-                        "(prefill.kv_events_base_port); remove one of them"
+                        "(kv_events_base_port); remove one of them"
                     )
         return problems
 

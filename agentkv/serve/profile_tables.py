@@ -121,6 +121,12 @@ class DecodeGroup(Group):
     side_channel_base_port: int = Field(5700, ge=1, le=65535)
     offload: OffloadSettings | None = None
     """CPU offload of D's KV (``[decode.offload]``); off when absent."""
+    kv_events_base_port: int | None = Field(None, ge=1, le=65535)
+    """ZMQ port of instance 0's KV cache events (instance i: ``+ i``), as
+    ``prefill.kv_events_base_port``. With ``[decode.offload]`` the OffloadingConnector publishes
+    its CPU tier's stores and evictions there (``self_describing_kv_events``), so the router
+    knows what each D's CPU tier holds and can send a turn whose handle is gone to that D (path
+    ``cpu``, docs/paths.md). Unset: no events."""
 
 
 class Hardware(_Model):

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from agentkv.protocol.kv_events import (
+    MEDIUM_CPU,
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
@@ -296,6 +297,41 @@ class BlockPool:
                 group_idx=0,
             )
         )
+
+    def offloaded(
+        self,
+        stored: Sequence[int],
+        evicted: Sequence[bytes],
+        hashes: Sequence[bytes],
+        token_ids: Sequence[int],
+    ) -> None:
+        """Queue the CPU tier's evictions and stores as vLLM 0.33's OffloadingConnector
+        publishes them with ``self_describing_kv_events`` (``offloading/events.py``): one
+        ``BlockRemoved`` for the evicted blocks, one ``BlockStored`` per stored block (one
+        block per chunk) with its parent's hash, its tokens and no ``extra_keys``, all with
+        ``medium: "CPU"``. ``stored``: positions in ``hashes`` (blocks of ``token_ids``)."""
+        if not self.kv_events:
+            return
+        bs = self.block_size
+        if evicted:
+            self.kv_event_queue.append(
+                BlockRemoved(
+                    block_hashes=[self._ext(h) for h in evicted], medium=MEDIUM_CPU, group_idx=0
+                )
+            )
+        for i in stored:
+            self.kv_event_queue.append(
+                BlockStored(
+                    block_hashes=[self._ext(hashes[i])],
+                    parent_block_hash=self._ext(hashes[i - 1]) if i else None,
+                    token_ids=list(token_ids[i * bs : (i + 1) * bs]),
+                    block_size=bs,
+                    lora_id=None,
+                    medium=MEDIUM_CPU,
+                    lora_name=None,
+                    group_idx=0,
+                )
+            )
 
     def _ext(self, block_hash: bytes) -> int | bytes:
         return external_block_hash(block_hash, as_int=self.int_block_hashes)

@@ -11,6 +11,8 @@ default ``lru`` policy, one block per chunk:
   store when it cannot evict; here each new block's save fails with ``failure_rate`` (seeded),
   and a failed block is simply not in the tier;
 * a load touches the blocks it reads;
+* what it stores and evicts is reported (:class:`SaveResult`) for the KV events vLLM publishes
+  with ``medium: "CPU"`` (:meth:`agentkv.sim.blocks.BlockPool.offloaded`);
 * a touch runs from a sequence's last block to its first (vLLM's ``LRUOffloadingManager.touch``
   walks ``reversed(block_hashes)``), so the first blocks are the most recently used and
   eviction eats a sequence's tail: what stays is still a usable prefix.
@@ -21,7 +23,7 @@ from __future__ import annotations
 import random
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from agentkv.sim.blocks import KVContent
 
@@ -36,6 +38,10 @@ class SaveResult:
     """Blocks whose save failed (not stored)."""
     evicted: int
     """Blocks evicted to make room."""
+    stored: tuple[int, ...] = field(default=(), repr=False)
+    """The offered positions (``hashes[i]``) newly stored, in order."""
+    evicted_hashes: tuple[bytes, ...] = field(default=(), repr=False)
+    """The blocks evicted, oldest first."""
 
 
 class CpuTier:
@@ -78,7 +84,9 @@ class CpuTier:
         """Offer full blocks ``hashes[i]`` holding ``contents[i]`` (a block without content, or
         whose content is not full, is skipped)."""
         saved = failed = evicted = 0
-        for h, content in zip(hashes, contents, strict=False):
+        stored: list[int] = []
+        gone: list[bytes] = []
+        for i, (h, content) in enumerate(zip(hashes, contents, strict=False)):
             if content is None:
                 continue
             if h in self._blocks:
@@ -87,12 +95,13 @@ class CpuTier:
                 failed += 1
                 continue
             if len(self._blocks) >= self.capacity:
-                self._blocks.popitem(last=False)
+                gone.append(self._blocks.popitem(last=False)[0])
                 evicted += 1
             self._blocks[h] = content
+            stored.append(i)
             saved += 1
         self._touch(hashes)
-        return SaveResult(saved, failed, evicted)
+        return SaveResult(saved, failed, evicted, tuple(stored), tuple(gone))
 
     def clear(self) -> None:
         self._blocks.clear()

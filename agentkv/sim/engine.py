@@ -434,7 +434,7 @@ class Engine:
         self._fill_local(prompt, state.blocks, cached, req.cache_salt)
         self.pool.cache_full_blocks(state.blocks, hashes, prompt, req.cache_salt)
         self.publish_events()
-        self._save_to_cpu(hashes, state.blocks)
+        self._save_to_cpu(hashes, state.blocks, prompt)
         computed = n - cached
         model_s += self.cost.cpu_load_s(cpu_tokens)
         compute_s = self.cost.prefill_s(computed, cached)
@@ -508,11 +508,15 @@ class Engine:
             self.metrics.slowed_steps.inc()
         return extra
 
-    def _save_to_cpu(self, hashes: Sequence[bytes], blocks: Sequence[Block]) -> None:
-        """Offer a sequence's full blocks to the CPU tier (best effort)."""
+    def _save_to_cpu(
+        self, hashes: Sequence[bytes], blocks: Sequence[Block], tokens: Sequence[int]
+    ) -> None:
+        """Offer a sequence's full blocks to the CPU tier (best effort), with its KV events."""
         if self.cpu is None:
             return
         result = self.cpu.save(hashes, [b.content for b in blocks[: len(hashes)]])
+        self.pool.offloaded(result.stored, result.evicted_hashes, hashes, tokens)
+        self.publish_events()
         self.metrics.cpu_saves.inc(result.saved)
         self.metrics.cpu_save_failures.inc(result.failed)
         self.metrics.cpu_evictions.inc(result.evicted)
@@ -647,7 +651,7 @@ class Engine:
         hashes = block_hashes(seq[:computed], bs, cache_salt=req.cache_salt)
         self.pool.cache_full_blocks(state.blocks, hashes, seq[:computed], req.cache_salt)
         self.publish_events()
-        self._save_to_cpu(hashes, state.blocks)
+        self._save_to_cpu(hashes, state.blocks, seq[:computed])
         self.metrics.success[finish].inc()
 
         handle: dict[str, Any] | None = None

@@ -119,6 +119,8 @@ EXTRA_CONFIG_KEYS = {
         '(extra_config.get("block_size"); a multiple of the GPU block size)',
         "eviction_policy": 'vllm/v1/kv_offload/cpu/spec.py (extra_config.get("eviction_policy", '
         '"lru"))',
+        "self_describing_kv_events": "vllm/v1/kv_offload/base.py "
+        '(extra_config.get("self_describing_kv_events", False))',
     },
 }
 

@@ -23,7 +23,8 @@ from agentkv.protocol.kv_events import (
     KVEventsConfig,
 )
 from agentkv.protocol.promtext import parse_metrics
-from agentkv.router.kv_index import KVEventSubscriber, PrefixIndex, subscriber_endpoint
+from agentkv.router.kv_index import PrefixIndex
+from agentkv.router.kv_subscriber import KVEventSubscriber, subscriber_endpoint
 from agentkv.router.verify import chain_hashes
 from agentkv.sim.kv_events import ZmqEventPublisher
 from agentkv.sim.launch import free_port, start_sim

@@ -92,6 +92,8 @@ class World:
     """Each D's requests running (the router's count)."""
     p_queued: int = 0
     """Prompt tokens queued on the least loaded P."""
+    cpu: dict[str, int] = field(default_factory=dict)
+    """What each D's CPU tier holds of the prompt (its KV events), for :class:`CpuHeld`."""
 
 
 def short(url: str) -> str:
@@ -143,6 +145,9 @@ def show(a: core.Action) -> str:
         return f"pick-decode {','.join(short(u) for u in a.candidates)} holder={holder}"
     if isinstance(a, core.Reserve):
         return f"reserve {short(a.url)} {a.tokens}"
+    if isinstance(a, core.CpuHeld):
+        assert list(a.prompt) == list(PROMPT)
+        return "cpu-held"
     if isinstance(a, core.Decode):
         assert list(a.remember.prompt.prompt) == list(PROMPT)
         if a.prefill_url is None:
@@ -215,6 +220,8 @@ def drive(plan: Generator[core.Action, Any, Any], world: World) -> tuple[list[st
             answer = url
         elif isinstance(action, core.Reserve):
             answer = reserve.pop(0)
+        elif isinstance(action, core.CpuHeld):
+            answer = world.cpu
         elif isinstance(action, core.Decode):
             if action.prefill_url is None:
                 url, answer = decode.pop(0)
@@ -785,6 +792,145 @@ IN_PLACE = ["resolve", "candidates", "take h1", "reserve d1 8"]
 """H1 holds 32 of the 40 tokens: D prefills 8."""
 PULL = ["pick-prefill bidirectional", "prefill p1 read h1 32"]
 
+EXPIRED = fresh(H1, OLD)
+"""Past the router's TTL: D has freed its blocks."""
+TO_CPU = ["resolve", "candidates", "discard h1", "cpu-held", "reserve d2 8"]
+"""The handle is gone; D2's CPU tier holds 32 of the 40 tokens: D2 loads them, prefills 8."""
+CPU_TURN = "decode d2 in place [cpu M=0 C=0 L=? next=recompute]"
+RECOMPUTE = ["pick-prefill", "prefill p1", "pick-decode d1 holder=-"]
+"""D2 failed: P recomputes, for the other D."""
+CPU_ROWS: list[tuple[str, World, RouterConfig, dict[str, Any], list[str], str]] = [
+    (
+        "handle expired, a D's CPU tier holds the prefix: straight to the D holding the most",
+        World([EXPIRED], decode=[(D2, STARTED)], reserve=[True], cpu={D1: 16, D2: 32}),
+        CHOOSE,
+        {},
+        [*TO_CPU, CPU_TURN],
+        "answered in place->d2 [cpu M=0 C=0 L=? next=recompute]",
+    ),
+    (
+        'paths = "decode": to the CPU copy whenever D\'s budget allows, whatever the estimates',
+        World([EXPIRED], decode=[(D2, STARTED)], reserve=[True], cpu={D2: 32}),
+        FORCED,
+        {"curves": SLOW_D},
+        [*TO_CPU, CPU_TURN],
+        "answered in place->d2 [cpu M=0 C=0 L=? next=recompute]",
+    ),
+    (
+        "a CPU copy with more new tokens than D's budget takes: P recomputes",
+        World([EXPIRED], prefill=[(P1, 0, DONE)], decode=[(D1, STARTED)], cpu={D2: 32}),
+        SMALL,
+        {},
+        [
+            "resolve",
+            "candidates",
+            "discard h1",
+            "cpu-held",
+            "pick-prefill",
+            "prefill p1",
+            "pick-decode d1,d2 holder=-",
+            "decode d1 via p1 [expired M=0 C=0 L=0]",
+        ],
+        "answered p1->d1 [expired M=0 C=0 L=0]",
+    ),
+    (
+        "the CPU copy's D out of rotation: P recomputes",
+        World(
+            [EXPIRED],
+            prefill=[(P1, 0, DONE)],
+            decode=[(D1, STARTED)],
+            cpu={D2: 32},
+            unhealthy=frozenset({D2}),
+        ),
+        CHOOSE,
+        {},
+        [
+            "resolve",
+            "candidates",
+            "discard h1",
+            "cpu-held",
+            "pick-prefill",
+            "prefill p1",
+            "pick-decode d1,d2 holder=-",
+            "decode d1 via p1 [expired M=0 C=0 L=0]",
+        ],
+        "answered p1->d1 [expired M=0 C=0 L=0]",
+    ),
+    (
+        "the CPU copy's D budget filled before the reservation: P recomputes",
+        World(
+            [EXPIRED],
+            prefill=[(P1, 0, DONE)],
+            decode=[(D1, STARTED)],
+            reserve=[False],
+            cpu={D2: 32},
+        ),
+        CHOOSE,
+        {},
+        [
+            *TO_CPU,
+            "retry decode_budget",
+            "pick-prefill",
+            "prefill p1",
+            "pick-decode d1,d2 holder=-",
+            "decode d1 via p1 [expired M=0 C=0 L=0]",
+        ],
+        "answered p1->d1 [expired M=0 C=0 L=0]",
+    ),
+    (
+        "the CPU copy's D refuses (4xx): its error passes",
+        World(
+            [EXPIRED],
+            decode=[(D2, core.DecodeRefused(422, b"bad"))],
+            reserve=[True],
+            cpu={D2: 32},
+        ),
+        CHOOSE,
+        {},
+        [*TO_CPU, CPU_TURN],
+        "fail 422 bad",
+    ),
+    *[
+        (
+            f"the CPU copy's D fails ({why}): P recomputes, for the other D",
+            World(
+                [EXPIRED],
+                prefill=[(P1, 0, DONE)],
+                decode=[(D2, core.DecodeFailed(why)), (D1, STARTED)],
+                reserve=[True],
+                cpu={D2: 32},
+            ),
+            CHOOSE,
+            {},
+            [
+                *TO_CPU,
+                CPU_TURN,
+                "retry decode_in_place",
+                *RECOMPUTE,
+                "decode d1 via p1 [expired M=0 C=0 L=0]",
+            ],
+            "answered p1->d1 [expired M=0 C=0 L=0]",
+        )
+        for why in ("status", "unreachable", "deadline")
+    ],
+    (
+        'paths = "pull": a CPU copy is never asked for',
+        World([EXPIRED], prefill=[(P1, 0, DONE)], decode=[(D1, STARTED)], cpu={D2: 32}),
+        CFG,
+        {},
+        [
+            "resolve",
+            "candidates",
+            "discard h1",
+            "pick-prefill",
+            "prefill p1",
+            "pick-decode d1,d2 holder=-",
+            "decode d1 via p1 [expired M=0 C=0 L=0]",
+        ],
+        "answered p1->d1 [expired M=0 C=0 L=0]",
+    ),
+]
+
 PATH_ROWS: list[tuple[str, World, RouterConfig, dict[str, Any], list[str], str]] = [
     (
         "few new tokens: straight to the D that holds them; the spent handle is freed",
@@ -1000,6 +1146,7 @@ PATH_ROWS: list[tuple[str, World, RouterConfig, dict[str, Any], list[str], str]]
             "resolve",
             "candidates",
             "discard h1 restarted",
+            "cpu-held",
             "pick-prefill",
             "prefill p1",
             "pick-decode d1,d2 holder=-",
@@ -1057,6 +1204,7 @@ PATH_ROWS: list[tuple[str, World, RouterConfig, dict[str, Any], list[str], str]]
         [
             "resolve",
             "candidates",
+            "cpu-held",
             "pick-prefill",
             "prefill p1",
             "pick-decode d1,d2 holder=-",
@@ -1064,6 +1212,7 @@ PATH_ROWS: list[tuple[str, World, RouterConfig, dict[str, Any], list[str], str]]
         ],
         "answered p1->d1 [miss M=0 C=0 L=?]",
     ),
+    *CPU_ROWS,
 ]
 
 

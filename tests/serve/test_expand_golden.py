@@ -141,7 +141,9 @@ def test_vllm_flags_keys_and_env_are_real_vllm_names():
         if "--kv-events-config" in spec.argv:
             events = json.loads(spec.argv[spec.argv.index("--kv-events-config") + 1])
             assert set(events) <= KV_EVENTS_KEYS, (name, spec.name, events)
-            assert spec.role == "prefill", (name, spec.name)
+            # P's prefix cache, or a D's CPU tier (its OffloadingConnector's events)
+            offloads = "OffloadingConnector" in json.dumps(config)
+            assert spec.role == "prefill" or offloads, (name, spec.name)
         for key in spec.env:
             assert key in VLLM_ENV or key in OTHER_ENV, (name, spec.name, key)
     assert seen >= 10
@@ -306,7 +308,11 @@ def test_offload_variant_uses_multiconnector_on_decode_only():
     assert offload["kv_connector_extra_config"] == {
         "cpu_bytes_to_use": 256 * 2**30,
         "offload_prompt_only": False,
+        # D's CPU tier in its KV events, with tokens, for the router's cpu path
+        "self_describing_kv_events": True,
     }
+    events = json.loads(decode.argv[decode.argv.index("--kv-events-config") + 1])
+    assert events["enable_kv_cache_events"] and events["endpoint"] == "tcp://127.0.0.1:5900"
 
 
 def test_bench_variant_turns_prefix_caching_off_on_prefill_only():

@@ -125,7 +125,7 @@ def test_pool_events() -> None:
 class Subscriber:
     """A plain zmq subscriber, as a vLLM consumer writes one: SUB when it connects; XSUB
     sending its own subscription when it binds (a bound SUB's subscription never reaches a
-    connecting PUB with libzmq 4.3.5 here; see agentkv.router.kv_index)."""
+    connecting PUB with libzmq 4.3.5 here; see agentkv.router.kv_subscriber)."""
 
     def __init__(self, address: str, *, bind: bool, topic: bytes) -> None:
         self.ctx = zmq.Context()

@@ -15,6 +15,9 @@ The rules kept here, once:
   tokens from its own prefix cache, no P), within that D's budget (:class:`Reserve`). The
   handle is then spent when that D accepts the turn; D refusing puts it back, D failing sends
   the turn through P (with the handle after a 5xx/429, without it when D was unreachable).
+  A turn with no handle to read goes the same way to the D whose CPU tier holds the longest
+  prefix of the prompt (``cpu``: :class:`CpuHeld`, from D's KV events) when the cost model
+  picks it; D failing sends it through P, which recomputes.
 * **A handle is spent only when a P accepts the request that carries it** (P answers 200). Until
   then a handle taken from the store is :class:`Restore`\\ d when the turn fails (a P refusing it,
   no P answering); a read that passed its deadline or a 500 with the handle attached

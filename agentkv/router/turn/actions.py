@@ -19,6 +19,7 @@ __all__ = [
     "Action",
     "Answered",
     "Candidates",
+    "CpuHeld",
     "Decode",
     "DecodeFailed",
     "DecodeRefused",
@@ -79,6 +80,16 @@ class Candidates:
     """The conversation's stored handles; answered with :class:`Found`."""
 
     key: StoreKey
+
+
+@dataclass(frozen=True)
+class CpuHeld:
+    """What each healthy D's CPU tier holds of the prompt, from its KV events (an in-sync
+    index of ``medium: "CPU"`` blocks, matched by the prompt's own token ids under its
+    ``cache_salt``); answered with a mapping D url -> tokens (absent: nothing, or unknown)."""
+
+    prompt: Sequence[int] = field(repr=False)
+    cache_salt: str | None
 
 
 @dataclass(frozen=True)
@@ -240,6 +251,7 @@ Action = (
     | Tokenize
     | Renew
     | Candidates
+    | CpuHeld
     | Discard
     | Take
     | Restore

@@ -24,6 +24,7 @@ from agentkv.router.turn.actions import (
     Action,
     Answered,
     Candidates,
+    CpuHeld,
     Decode,
     DecodeFailed,
     DecodeRefused,
@@ -88,9 +89,13 @@ def turn_plan(t: TurnInput, cfg: RouterConfig) -> Turn:
     remember = RememberJob(t.key, t.epoch, hashes, resolved.pending)
     tried: set[str] = set()
     holder = plan.taken.handle.decode_url if plan.taken else None
-    choice = _choose(t, cfg, len(ids), plan, found)
-    if choice is not None and choice.path == "decode":
-        end, plan, failed = yield from _decode_in_place(t, ids, plan, choice, remember, resolved)
+    choice, cpu_url = _choose(t, cfg, len(ids), plan, found), None
+    if choice is None and cfg.paths.mode != "pull" and plan.taken is None and found is not None:
+        choice, cpu_url = yield from _choose_cpu(t, cfg, ids, found)
+    if choice is not None and choice.path in ("decode", "cpu"):
+        end, plan, failed = yield from _decode_in_place(
+            t, ids, plan, choice, remember, resolved, cpu_url
+        )
         if end is not None:
             return end
         if failed:
@@ -163,6 +168,32 @@ def _choose(
     return choice
 
 
+def _choose_cpu(
+    t: TurnInput, cfg: RouterConfig, ids: Sequence[int], found: Found
+) -> Generator[Action, Any, tuple[Choice | None, str | None]]:
+    """The cost model's path for a turn with no handle to read when a D's CPU tier holds a
+    prefix of the prompt (its KV events, matched by the prompt's own ids): the D holding the
+    most (ties: the least busy). D's GPU prefix cache is not known here (``g = 0``)."""
+    held: Mapping[str, int] = yield CpuHeld(ids, t.cache_salt)
+    held = {u: n for u, n in held.items() if n > 0 and u not in found.unhealthy}
+    if not held:
+        return None, None
+    url = max(held, key=lambda u: (held[u], -found.in_flight.get(u, 0)))
+    state = TurnState(
+        len(ids),
+        d_cpu_tokens=held[url],
+        d_in_flight_tokens=found.in_flight.get(url, 0),
+        d_running_streams=found.running.get(url, 0),
+        p_queued_tokens=found.p_queued_tokens,
+        recompute_threshold=cfg.upstream.kv_recompute_threshold,
+    )
+    budget = DecodeBudget(cfg.paths.decode_max_new_tokens, cfg.paths.decode_tokens_in_flight)
+    choice = choose(state, t.curves, budget)
+    if cfg.paths.mode == "decode" and "cpu" in choice.estimates and "cpu" not in choice.excluded:
+        choice = replace(choice, path="cpu", ttft_s=choice.estimates["cpu"].ttft_s)
+    return (choice, url) if choice.path == "cpu" else (None, None)
+
+
 def _estimated(receipt: Receipt, choice: Choice) -> Receipt:
     """The receipt with the cost model's estimate of the path the turn took (when it estimated
     that one) and of the cheapest other path D's budget allowed."""
@@ -190,22 +221,30 @@ def _decode_in_place(
     choice: Choice,
     remember: RememberJob,
     resolved: Resolved,
+    cpu_url: str | None = None,
 ) -> Generator[Action, Any, tuple[End | None, ReusePlan, str | None]]:
-    """The turn straight to the D that holds its verified handle: D prefills the new tokens from
-    its own prefix cache and keeps its blocks for a new handle (:data:`KEEP_ON_DECODE`). The
-    taken handle is spent when D accepts (its blocks are superseded by D's new handle, so D is
-    told to free them); until then it is unspent. Returns how the turn ended, or None and the
-    plan the P pass goes on with: the handle still attached (D's budget is full, or D answered
-    5xx/429 and its KV is still readable) or released (D unreachable or silent past its
-    deadline: a read from it would fail too); and the D that failed, if one did."""
-    assert plan.taken is not None
-    taken, url = plan.taken, plan.taken.handle.decode_url
-    new = choice.estimates["decode"].computed_tokens
+    """The turn straight to a D (no P): ``decode``, the D that holds its verified handle, which
+    prefills the new tokens from its own prefix cache; ``cpu``, the D at ``cpu_url`` whose CPU
+    tier holds a prefix (no handle), which loads it and prefills the rest. Either way D keeps its
+    blocks for a new handle (:data:`KEEP_ON_DECODE`). A taken handle is spent when D accepts
+    (its blocks are superseded by D's new handle, so D is told to free them); until then it is
+    unspent. Returns how the turn ended, or None and the plan the P pass goes on with: the
+    handle still attached (D's budget is full, or D answered 5xx/429 and its KV is still
+    readable) or released (D unreachable or silent past its deadline: a read from it would fail
+    too); and the D that failed, if one did. Without a handle the P pass recomputes."""
+    taken = plan.taken
+    if choice.path == "cpu":
+        assert cpu_url is not None
+        url = cpu_url
+    else:
+        assert taken is not None
+        url = taken.handle.decode_url
+    new = choice.estimates[choice.path].computed_tokens
     if not (yield Reserve(url, new)):
         yield Retry("decode_budget")
         return None, plan, None
     receipt = _estimated(
-        Receipt("decode", 0, plan.verified_tokens, None, plan.cause, resolved.outcome), choice
+        Receipt(choice.path, 0, plan.verified_tokens, None, plan.cause, resolved.outcome), choice
     )
     params = dict(KEEP_ON_DECODE)
     out = yield Decode(url, params, receipt, None, {}, remember, reserved=new)
@@ -215,11 +254,12 @@ def _decode_in_place(
         return Fail(out.status, body=out.body), plan, None
     if isinstance(out, DecodeFailed):
         yield Retry("decode_in_place")
-        if out.reason == "status":
+        if out.reason == "status" or taken is None:
             return None, plan, url
         return None, (yield from _lost(plan, "decode_failed")), url
     # D accepted: the handle is spent; D's new handle holds all of its verified blocks
-    yield Release(taken.handle, "superseded")
+    if taken is not None:
+        yield Release(taken.handle, "superseded")
     return Answered(receipt, None, url, ids), plan.without_handle(), None
 
 
