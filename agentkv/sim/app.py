@@ -51,10 +51,11 @@ from agentkv.sim import messages
 from agentkv.sim.clock import Clock
 from agentkv.sim.config import SimConfig
 from agentkv.sim.costmodel import PRESETS, CostModel, load_cost_file
-from agentkv.sim.engine import Engine, Finished, Scheduled
+from agentkv.sim.engine import Engine
 from agentkv.sim.errors import error_handling
 from agentkv.sim.faults import Faults
 from agentkv.sim.metrics import SimMetrics
+from agentkv.sim.requests import Finished, Scheduled
 from agentkv.sim.responses import StreamWriter, full_response
 from agentkv.sim.serving import RequestPlan, SimRenderer, plan_chat, plan_completion
 from agentkv.sim.transfer import TransferClient
