@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from agentkv.bench.replay import POLICIES, TurnRecord
+from agentkv.bench.replay_records import POLICIES, TurnRecord
 
 __all__ = [
     "plot_preset_curves",

@@ -36,7 +36,7 @@ from typing import Any
 
 import httpx
 
-from agentkv.bench.replay import (
+from agentkv.bench.replay_records import (
     Policy,
     ReplaySettings,
     SessionScript,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import httpx
 
 from agentkv.bench.deploy import Stack, local_stack
-from agentkv.bench.replay import Policy, ReplaySettings
+from agentkv.bench.replay_records import Policy, ReplaySettings
 from agentkv.bench.retention import LeaseParams
 from agentkv.bench.runner import (
     PolicyTarget,

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from agentkv.bench.replay import TurnRecord
+from agentkv.bench.replay_records import TurnRecord
 
 __all__ = [
     "KINDS",

@@ -17,16 +17,15 @@ from typing import Any
 
 from agentkv.bench.content import script_session
 from agentkv.bench.deploy import Stack
-from agentkv.bench.replay import (
+from agentkv.bench.replay import replay_policy, wait_drained
+from agentkv.bench.replay_metrics import engine_counters, measured_delta
+from agentkv.bench.replay_records import (
     POLICIES,
     Policy,
     ReplaySettings,
     SessionScript,
     TurnRecord,
-    replay_policy,
-    wait_drained,
 )
-from agentkv.bench.replay_metrics import engine_counters, measured_delta
 from agentkv.bench.report import (
     SHORTFALL_NOTE,
     PolicySummary,

@@ -12,9 +12,10 @@ from __future__ import annotations
 from agentkv._extras import raise_missing_extra
 
 try:
-    from agentkv.sim.app import SimState, create_app
+    from agentkv.sim.app import create_app
     from agentkv.sim.config import SimConfig
     from agentkv.sim.faults import Faults
+    from agentkv.sim.state import SimState
 except ModuleNotFoundError as exc:  # an extra that is not installed: say which
     raise_missing_extra(exc, "agentkv.sim (the engine simulator)")
 

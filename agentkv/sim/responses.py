@@ -8,8 +8,8 @@ from typing import Any
 
 from agentkv.protocol.http import sse
 from agentkv.sim.answer_text import token_pieces
-from agentkv.sim.engine import Finished, GenRequest, Scheduled
 from agentkv.sim.outputs import parse_output, stream_deltas
+from agentkv.sim.requests import Finished, GenRequest, Scheduled
 from agentkv.sim.serving import SYSTEM_FINGERPRINT, RequestPlan, SimRenderer
 
 __all__ = ["StreamWriter", "full_response", "usage"]

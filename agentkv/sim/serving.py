@@ -1,7 +1,7 @@
 """vLLM's OpenAI surface over the engine: request parsing.
 
 Chat and completions requests become a :class:`RequestPlan` around a
-:class:`~agentkv.sim.engine.GenRequest` (the answer's text, its script and stop strings:
+:class:`~agentkv.sim.requests.GenRequest` (the answer's text, its script and stop strings:
 :mod:`agentkv.sim.answer_text`); :mod:`agentkv.sim.responses` turns the engine's events into
 vLLM 0.33's JSON bodies or SSE chunks.
 """
@@ -29,7 +29,7 @@ from agentkv.sim.answer_text import (
     stop_strings,
 )
 from agentkv.sim.config import SimConfig
-from agentkv.sim.engine import GenRequest
+from agentkv.sim.requests import GenRequest
 from agentkv.sim.script import SimScript, generate_text, native_syntax_for, render_script
 
 __all__ = [

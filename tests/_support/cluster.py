@@ -11,8 +11,7 @@ from typing import Any
 import httpx
 
 from agentkv.protocol.promtext import parse_metrics
-from agentkv.sim import SimConfig, create_app
-from agentkv.sim.app import SimState
+from agentkv.sim import SimConfig, SimState, create_app
 from agentkv.sim.costmodel import PRESETS
 from agentkv.sim.transfer import TransferClient
 from tests._support.clock import SharedClock

@@ -25,9 +25,8 @@ from agentkv.protocol.promtext import parse_metrics
 from agentkv.router import create_app as create_router
 from agentkv.router.config import RouterConfig
 from agentkv.router.store import HandleStore, make_store
-from agentkv.sim import SimConfig
+from agentkv.sim import SimConfig, SimState
 from agentkv.sim import create_app as create_sim
-from agentkv.sim.app import SimState
 from agentkv.sim.transfer import TransferClient
 from tests._support.clock import SharedClock
 from tests._support.engine_client import InProcessEngines

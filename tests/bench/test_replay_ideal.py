@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from agentkv.bench.replay import TurnRecord
+from agentkv.bench.replay_records import TurnRecord
 from agentkv.bench.report import shortfall_cause, shortfall_rows, summarize
 from agentkv.bench.wire import Answer, Message, ToolCall, same_answer, shadow, strip_reasoning
 

@@ -15,7 +15,7 @@ import pytest
 
 from agentkv.bench import runner
 from agentkv.bench.deploy import Stack, local_stack
-from agentkv.bench.replay import TurnRecord
+from agentkv.bench.replay_records import TurnRecord
 from agentkv.bench.retention import LeaseParams
 from tests._support.bench import SMALL_SESSIONS, TIME_SCALE, _session
 
