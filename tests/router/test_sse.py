@@ -102,3 +102,34 @@ def test_a_long_echo_in_many_reads_is_cut_and_the_answer_kept(accumulate: bool) 
     assert relay.captured.handle == want.handle
     if accumulate:
         assert relay.captured.answer is not None and relay.captured.answer.tool_calls()
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_continuous_usage_passes_as_sent_and_the_last_counts(accumulate: bool) -> None:
+    """``continuous_usage_stats`` (a Messages turn's): every chunk carries ``usage``; the
+    events pass as D sent them (only the handle's is rewritten), the last usage is captured."""
+    lines: list[bytes] = []
+    for n, line in enumerate(STREAM.split(b"\n\n")):
+        if line.startswith(b"data: {"):
+            chunk = orjson.loads(line[6:])
+            chunk["usage"] = chunk.get("usage") or {"prompt_tokens": 7, "completion_tokens": n}
+            line = b"data: " + orjson.dumps(chunk)
+        lines.append(line)
+    stream = b"\n\n".join(lines)
+    captured = Captured()
+    r = EventRelay(captured, keep_ids=False, keep_prompt_ids=False, accumulate=accumulate)
+    out = b"".join(r.feed(stream[i : i + 100]) for i in range(0, len(stream), 100)) + r.close()
+    want, want_cap = reference(keep_ids=False, keep_prompt_ids=False)
+    got = events(out)
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        if isinstance(w, dict):
+            assert isinstance(g, dict) and g.pop("usage")
+            assert {**w, "usage": None} == {**g, "usage": None}
+    assert (captured.handle, captured.output_ids) == (want_cap.handle, want_cap.output_ids)
+    assert captured.finish_reason == want_cap.finish_reason
+    assert captured.usage == want_cap.usage  # the last chunk's
+    plain = [e for e in lines if e.startswith(b"data: {") and b"remote_block_ids" not in e]
+    for event in plain[1:3]:  # content chunks: D's bytes, ids nulled in place
+        assert b'"usage":{' in event
+        assert event.replace(b"token_ids", b"").split(b"[")[0] in out
