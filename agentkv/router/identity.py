@@ -80,7 +80,7 @@ from agentkv.router.identity_ledger import (
     unpack,
 )
 from agentkv.router.logs import safe
-from agentkv.router.request import ClientRequest
+from agentkv.router.request import ClientRequest, TokenIds, int32_le
 from agentkv.router.store import StoreKey
 
 __all__ = [
@@ -377,10 +377,12 @@ class Identity:
                 raise ValueError("/detokenize returned no 'prompt'")
             return text
 
-        kept = le_ints((entry.prompt.le() + entry.output.le())[: 4 * mark.end])
+        data = (entry.prompt.le() + entry.output.le())[: 4 * mark.end]
+        kept = le_ints(data)
         job = AppendJob([dict(m) for m in new], kept[mark.start :], dict(answer))
         appended = await run_plan_async(append_plan(job), answer_call)
-        return kept + appended
+        # the kept ids' int32 bytes are the ledger's: only the new messages' are encoded
+        return TokenIds(kept + appended, data=data + int32_le(appended))
 
     async def record(
         self,

@@ -37,6 +37,7 @@ __all__ = [
     "ClientRequest",
     "TokenIds",
     "checked_ids",
+    "int32_le",
     "parse_body",
     "parse_request",
     "read_body",
@@ -220,6 +221,9 @@ class TokenIds(list[int]):
         super().__init__(ids)
         self._data: bytes | None = data
         self._json: bytes | None = None
+        if isinstance(ids, TokenIds):  # a copy keeps the encodings already made
+            self._data = ids._data if data is None else data
+            self._json = ids._json
 
     @property
     def data(self) -> bytes:

@@ -37,7 +37,7 @@ from agentkv.router.identity import (
 )
 from agentkv.router.identity_digests import prefix_digests
 from agentkv.router.identity_ids import PackedIds
-from agentkv.router.request import ClientRequest, parse_request
+from agentkv.router.request import ClientRequest, TokenIds, int32_le, parse_request
 from agentkv.router.sse import Captured, EventRelay
 from agentkv.sim import SimConfig
 from agentkv.sim import create_app as create_sim
@@ -385,6 +385,9 @@ async def test_a_history_that_repeats_the_answer_keeps_the_ids(tok: Tokenizer) -
     job = AppendJob([messages[-1]], output, answer)
     plan = append_plan(job)
     assert got.ids[len(prompt) + len(output) :] == await run_plan_async(plan, _answer(tok))
+    # the ids' int32 bytes come with them (the kept part's from the ledger), and survive a copy
+    assert isinstance(got.ids, TokenIds) and got.ids.data == int32_le(list(got.ids))
+    assert TokenIds(got.ids).data is got.ids.data
     # a full render agrees up to the answer, then renders it otherwise (Qwen3 drops the empty
     # think block the model generated): what the pull would have lost as drift
     full = await tok.render(messages)
