@@ -32,6 +32,7 @@ from agentkv.protocol.http import sse
 __all__ = [
     "Captured",
     "EventRelay",
+    "ParsedEvents",
     "clean_response",
     "rewrite_chunk",
     "synthesize_stream",
@@ -116,6 +117,21 @@ def clean_response(
     return captured
 
 
+class ParsedEvents(bytes):
+    """Whole SSE events' bytes as the relay writes them, with the JSON object of each event as
+    the relay parsed it (None: not parsed), in order: an edge codec re-encoding the stream
+    reads those instead of parsing the events again. The objects are the events' before the
+    ids lists were cut (the client's bytes have them ``null``): read them, do not change them."""
+
+    chunks: list[dict[str, Any] | None]
+
+    @classmethod
+    def of(cls, data: bytes, chunks: list[dict[str, Any] | None]) -> ParsedEvents:
+        out = cls(data)
+        out.chunks = chunks
+        return out
+
+
 class EventRelay:
     """D's SSE bytes in, the client's out, :class:`Captured` filled on the way.
 
@@ -141,6 +157,7 @@ class EventRelay:
         self._parts: list[bytes] = []
         self._usage: bytes | None = None
         """The last event that set ``usage`` and was not parsed (:meth:`_read_usage`)."""
+        self._chunks: list[dict[str, Any] | None] = []
         if accumulate:
             captured.answer = DeltaFold()
 
@@ -183,7 +200,10 @@ class EventRelay:
                 self._usage_event(block)
             out = self._ids(block)
         else:
+            self._chunks = []
             out = b"".join(self._event(e, answer) for e in block.split(b"\n\n") if e)
+            if any(c is not None for c in self._chunks):
+                out = ParsedEvents.of(out, self._chunks)
         if self.done and self._usage is not None:
             self._read_usage()
         return out
@@ -195,14 +215,20 @@ class EventRelay:
         at the end (:meth:`_read_usage`): with ``continuous_usage_stats`` every chunk carries
         one, and only the last counts."""
         read = _READ.search(event) is not None
+        chunks = self._chunks
         if not read and answer is None:
             if _USAGE.search(event) is not None:
                 self._usage_event(event)
+            chunks.append(None)
             return self._ids(event) + b"\n\n"
         light = _without_prompt_ids(event) if self.keep_prompt_ids else event
         chunk = _data(light)
         if chunk is None:
-            return self._ids(event) + b"\n\n" if not read else b""
+            if read:
+                return b""
+            chunks.append(None)
+            return self._ids(event) + b"\n\n"
+        chunks.append(chunk)
         if answer is not None:
             choices = chunk.get("choices")
             if choices and isinstance(choices[0], dict):
@@ -224,6 +250,7 @@ class EventRelay:
         rewrite_chunk(
             chunk, self.captured, keep_ids=self.keep_ids, keep_prompt_ids=self.keep_prompt_ids
         )
+        chunks[-1] = chunk
         return sse(chunk)
 
     def _usage_event(self, block: bytes) -> None:
