@@ -195,15 +195,18 @@ class EventRelay:
         if _DONE in block:
             self.done = True
         answer = self.captured.answer
-        if answer is None and _READ.search(block) is None:
-            if _USAGE.search(block) is not None:
-                self._usage_event(block)
-            out = self._ids(block)
-        else:
+        if _READ.search(block) is not None:  # the handle's or the finish's: event by event
             self._chunks = []
             out = b"".join(self._event(e, answer) for e in block.split(b"\n\n") if e)
             if any(c is not None for c in self._chunks):
                 out = ParsedEvents.of(out, self._chunks)
+        elif answer is not None:  # every event parsed once: its delta, its usage
+            chunks = [self._read(e, answer) for e in block.split(b"\n\n") if e]
+            out = ParsedEvents.of(self._ids(block), chunks)
+        else:
+            if _USAGE.search(block) is not None:
+                self._usage_event(block)
+            out = self._ids(block)
         if self.done and self._usage is not None:
             self._read_usage()
         return out
@@ -230,12 +233,8 @@ class EventRelay:
             return self._ids(event) + b"\n\n"
         chunks.append(chunk)
         if answer is not None:
-            choices = chunk.get("choices")
-            if choices and isinstance(choices[0], dict):
-                delta = choices[0].get("delta")
-                if isinstance(delta, dict):
-                    answer.feed(delta)
-        if chunk.get("usage"):
+            self._take(chunk, answer)
+        elif chunk.get("usage"):
             self._usage, self.captured.usage = None, chunk["usage"]
         if not read:
             return self._ids(event) + b"\n\n"
@@ -252,6 +251,25 @@ class EventRelay:
         )
         chunks[-1] = chunk
         return sse(chunk)
+
+    def _read(self, event: bytes, answer: DeltaFold) -> dict[str, Any] | None:
+        """Parse an event that sets neither the handle nor a ``finish_reason``: its delta
+        and its usage are read."""
+        light = _without_prompt_ids(event) if self.keep_prompt_ids else event
+        chunk = _data(light)
+        if chunk is not None:
+            self._take(chunk, answer)
+        return chunk
+
+    def _take(self, chunk: dict[str, Any], answer: DeltaFold) -> None:
+        """A parsed chunk's delta (into ``answer``) and usage."""
+        choices = chunk.get("choices")
+        if choices and isinstance(choices[0], dict):
+            delta = choices[0].get("delta")
+            if isinstance(delta, dict):
+                answer.feed(delta)
+        if chunk.get("usage"):
+            self._usage, self.captured.usage = None, chunk["usage"]
 
     def _usage_event(self, block: bytes) -> None:
         """Keep the last event of ``block`` that sets ``usage``, for :meth:`_read_usage`."""
