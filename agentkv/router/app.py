@@ -24,7 +24,6 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, Literal
 
-import orjson
 from prometheus_client import Counter
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -54,7 +53,7 @@ from agentkv.router.messages import (
 from agentkv.router.metrics import RouterMetrics
 from agentkv.router.pd import Router
 from agentkv.router.redis_store import RedisStore
-from agentkv.router.request import lease_seconds, parse_request, read_body
+from agentkv.router.request import lease_seconds, parse_body, parse_request, read_body
 from agentkv.router.responses import ResponsesAPI
 from agentkv.router.responses_store import MemoryResponses, RedisResponses, ResponseStore
 from agentkv.router.retention import LeasesUnavailable
@@ -204,9 +203,7 @@ def create_app(
         caller = tenant_for(headers.get("authorization"))
         body = json_body(await read_body(request, config.http.max_body_bytes))
         chat = await chat_body(body, router, traits)
-        req = parse_request(
-            orjson.dumps(chat), headers, chat=True, config=config, caller=caller, session_body=body
-        )
+        req = parse_body(chat, headers, chat=True, caller=caller, session_body=body)
         with extracted(headers):
             return await router.turn(req)
 
@@ -216,7 +213,7 @@ def create_app(
         caller = tenant_for(headers.get("authorization"))
         body = json_body(await read_body(request, config.http.max_body_bytes))
         chat = await chat_body(body, router, traits, count_tokens=True)
-        req = parse_request(orjson.dumps(chat), headers, chat=True, config=config, caller=caller)
+        req = parse_body(chat, headers, chat=True, caller=caller)
         n = len(await router.prompt_ids(req))
         return JSONResponse({"input_tokens": n, "context_management": {"original_input_tokens": n}})
 

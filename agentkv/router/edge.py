@@ -18,6 +18,7 @@ from starlette.responses import Response, StreamingResponse
 
 from agentkv.protocol.errors import UpstreamError
 from agentkv.protocol.http import ORJSONResponse
+from agentkv.router.sse import ParsedEvents
 
 __all__ = ["Encoder", "adapt", "sse_events"]
 
@@ -82,6 +83,16 @@ async def _reencode(source: AsyncIterable[Any], encoder: Encoder) -> AsyncIterat
     events of the chunks it carried, joined), ``[DONE]`` ending it."""
     buffer = b""
     async for part in source:
+        chunks = part.chunks if isinstance(part, ParsedEvents) else None
+        if chunks is not None and not buffer and part.endswith(b"\n\n"):
+            events = part[:-2].split(b"\n\n")
+            if len(events) == len(chunks):  # the relay's own parse of each event
+                out, done = _encode(events, encoder, chunks)
+                if out:
+                    yield out
+                if done:
+                    return
+                continue
         buffer += part if isinstance(part, bytes) else str(part).encode()
         if b"\n\n" not in buffer:
             continue
@@ -97,11 +108,21 @@ async def _reencode(source: AsyncIterable[Any], encoder: Encoder) -> AsyncIterat
             yield out
 
 
-def _encode(events: list[bytes], encoder: Encoder) -> tuple[bytes, bool]:
+def _encode(
+    events: list[bytes], encoder: Encoder, chunks: list[dict[str, Any] | None] | None = None
+) -> tuple[bytes, bool]:
     """The encoder's bytes for whole SSE ``events`` of the chat stream, and whether ``[DONE]``
-    was among them (then nothing after it counts)."""
+    was among them (then nothing after it counts). ``chunks``: each event's JSON object as the
+    relay parsed it (None: parse it here)."""
     out: list[bytes] = []
-    for event in events:
+    for i, event in enumerate(events):
+        parsed = chunks[i] if chunks is not None else None
+        if parsed is not None:
+            if "error" in parsed:
+                out.extend(encoder.stream_error(parsed["error"]))
+            else:
+                out.extend(encoder.chunk(parsed))
+            continue
         for line in event.split(b"\n") if b"\n" in event else (event,):
             if not line.startswith(b"data:"):
                 continue

@@ -34,22 +34,19 @@ memory tokens in all, least recently used first; :data:`MAX_MARKS` marks each), 
 D's KV, so a turn after a long pause is recomputed but keeps the answers' ids), are dropped when
 the conversation is closed, and with a Redis store live in the same Redis so replicas share
 them.
+
+The digests are :mod:`agentkv.router.identity_digests`', the entries and where they live
+:mod:`agentkv.router.identity_ledger`'s (their ids kept compact,
+:mod:`agentkv.router.identity_ids`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import struct
-import sys
-import time
-from array import array
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Final, Protocol
-
-import orjson
+from typing import Any, Final
 
 from agentkv.protocol.errors import UpstreamError
 from agentkv.protocol.exact import (
@@ -62,12 +59,29 @@ from agentkv.protocol.exact import (
     is_fixed,
     run_plan_async,
 )
+from agentkv.router.identity_digests import (
+    CONTEXT_KEYS,
+    answer_digest,
+    context_digest,
+    mark_digest,
+    message_digest,
+    prefix_digests,
+)
+from agentkv.router.identity_ids import PackedIds, le_ints
+from agentkv.router.identity_ledger import (
+    MAX_MARKS,
+    Entry,
+    IdentityLedger,
+    Mark,
+    MemoryLedger,
+    RedisLedger,
+    bounded,
+    pack,
+    unpack,
+)
 from agentkv.router.logs import safe
-from agentkv.router.request import ClientRequest
+from agentkv.router.request import ClientRequest, TokenIds, int32_le
 from agentkv.router.store import StoreKey
-
-if TYPE_CHECKING:
-    import redis.asyncio
 
 __all__ = [
     "KEPT",
@@ -85,6 +99,8 @@ __all__ = [
     "answer_digest",
     "context_digest",
     "message_digest",
+    "pack",
+    "unpack",
 ]
 
 log = logging.getLogger("agentkv.router")
@@ -93,8 +109,6 @@ KEPT: Final = "kept"
 KEPT_PREFIX: Final = "kept-prefix"
 """The history changed after an earlier answer: the recorded ids up to that answer (as
 generated), then the client's messages after it rendered on their own."""
-MAX_MARKS: Final = 64
-"""Marks an entry keeps at most (the first quarter and the most recent of its answers)."""
 REASONS: Final = (
     "first-turn",
     "no-record",
@@ -122,406 +136,7 @@ conversation id; the client sent its own ids; ``keep_token_identity`` off."""
 Ask = Callable[[str, dict[str, Any]], Awaitable[Any]]
 """``ask(path, body)``: the tokenizing engine's JSON answer to a POST (raises on failure)."""
 
-_DIGEST = 16
-_CONTEXT_KEYS = ("model", "tools", "chat_template", "chat_template_kwargs")
-_ANSWER_KEYS = frozenset({"role", "content", "reasoning", "reasoning_content", "tool_calls"})
-_EMPTY: tuple[Any, ...] = (None, "", [], {})
 _PROBE_CACHE = 1024
-
-
-# -- digests --------------------------------------------------------------------------------------
-def _digest(data: bytes) -> bytes:
-    return hashlib.blake2b(data, digest_size=_DIGEST).digest()
-
-
-def _canonical_digest(value: Any) -> bytes:
-    """The digest of a JSON value with sorted keys: orjson's text, or for a value nested past
-    its depth (orjson reads 1024 levels, writes 254) a walk without recursion."""
-    try:
-        return _digest(orjson.dumps(value, option=orjson.OPT_SORT_KEYS))
-    except TypeError:
-        pass
-    h = hashlib.blake2b(digest_size=_DIGEST, person=b"deep")
-    stack: list[Any] = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, dict):
-            h.update(b"{%d" % len(item))
-            for k in sorted(item, reverse=True):
-                stack += [item[k], str(k)]
-        elif isinstance(item, list):
-            h.update(b"[%d" % len(item))
-            stack += reversed(item)
-        else:
-            h.update(b"%d:" % len(repr(item)) + repr(item).encode())
-    return h.digest()
-
-
-def _content(content: Any) -> Any:
-    """Text as text: None is empty, a list of plain text parts is their text joined as vLLM
-    joins them; anything else as it is."""
-    if content is None:
-        return ""
-    if (
-        isinstance(content, list)
-        and content
-        and all(
-            isinstance(p, Mapping)
-            and p.get("type") == "text"
-            and isinstance(p.get("text"), str)
-            and set(p) <= {"type", "text"}
-            for p in content
-        )
-    ):
-        return "\n".join(p["text"] for p in content)
-    return content
-
-
-def _calls(calls: Any) -> Any:
-    """Tool calls as (id, function name, arguments as sent): ``type`` and a stream's
-    ``index`` are not the call."""
-    if not isinstance(calls, list):
-        return calls or []
-    out: list[Any] = []
-    for call in calls:
-        if not isinstance(call, Mapping):
-            out.append(call)
-            continue
-        fn = call.get("function")
-        fn = fn if isinstance(fn, Mapping) else {}
-        rest = {k: v for k, v in call.items() if k not in ("id", "type", "index", "function")}
-        out.append([call.get("id"), fn.get("name"), fn.get("arguments"), rest or None])
-    return out
-
-
-def _normalized(message: Mapping[str, Any]) -> dict[str, Any]:
-    """What a message says: role, content text, reasoning (either name), tool calls, and every
-    other field that is set (``tool_call_id``, ``name``, ...)."""
-    reasoning = message.get("reasoning")
-    if reasoning is None:
-        reasoning = message.get("reasoning_content")
-    return {
-        "role": message.get("role"),
-        "content": _content(message.get("content")),
-        "reasoning": reasoning or "",
-        "tool_calls": _calls(message.get("tool_calls")),
-        "rest": {k: v for k, v in message.items() if k not in _ANSWER_KEYS and v not in _EMPTY},
-    }
-
-
-def message_digest(message: Any) -> bytes:
-    """A message's digest (:func:`_normalized`; anything that is not a message digests as
-    itself)."""
-    return _canonical_digest(_normalized(message) if isinstance(message, Mapping) else message)
-
-
-def answer_digest(message: Mapping[str, Any]) -> bytes:
-    """The digest of an assistant message, as the engine returned it or as a client sends it
-    back (the same as :func:`message_digest`, with the role fixed)."""
-    return message_digest({**message, "role": "assistant"})
-
-
-def context_digest(body: Mapping[str, Any]) -> bytes:
-    """What the rendering depends on besides the messages: model, tools, chat template and
-    its kwargs."""
-    return _canonical_digest({k: body.get(k) for k in _CONTEXT_KEYS})
-
-
-def _prefix_digests(messages: Sequence[Any], counts: set[int]) -> dict[int, bytes]:
-    """The digest of ``messages[:n]`` for every ``n`` in ``counts`` (one pass)."""
-    out: dict[int, bytes] = {}
-    running = hashlib.blake2b(digest_size=_DIGEST)
-    if 0 in counts:
-        out[0] = running.digest()
-    for i, message in enumerate(messages, 1):
-        running.update(message_digest(message))
-        if i in counts:
-            out[i] = running.digest()
-    return out
-
-
-# -- entries --------------------------------------------------------------------------------------
-def _ids(values: Sequence[int]) -> array[int]:
-    return array("i", values)
-
-
-def _mark_digest(history: bytes, answer: bytes) -> bytes:
-    """The digest of messages ``[:n]`` (``history``, :func:`_prefix_digests`) followed by the
-    answer ``n`` (its :func:`message_digest`)."""
-    return _digest(history + answer)
-
-
-@dataclass(frozen=True)
-class Mark:
-    """An answer whose ids an entry's prompt holds as the model generated them: the client's
-    messages up to and with it keep ``prompt[:end]``."""
-
-    messages: int
-    """The answer's index in the client's messages (how many came before it)."""
-    start: int
-    """Where its ids start in the prompt."""
-    end: int
-    """Where they end (the messages after it render from there)."""
-    digest: bytes
-    """:func:`_mark_digest` of the messages before it and of the answer as returned."""
-
-
-def _bounded(marks: Sequence[Mark]) -> tuple[Mark, ...]:
-    """At most :data:`MAX_MARKS`: the oldest quarter (a compaction keeps the start) and the
-    most recent (an edit or a strip is usually near the end)."""
-    if len(marks) <= MAX_MARKS:
-        return tuple(marks)
-    head = MAX_MARKS // 4
-    return (*marks[:head], *marks[len(marks) - (MAX_MARKS - head) :])
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One answered turn, as the router keeps it."""
-
-    messages: int
-    """How many messages the client sent."""
-    history: bytes
-    """The digest of those messages."""
-    answer: bytes
-    """The digest of the assistant message the engine returned."""
-    context: bytes
-    prompt: array[int]
-    """The prompt's ids."""
-    output: array[int]
-    """The answer's ids."""
-    marks: tuple[Mark, ...] = ()
-    """The earlier answers whose ids ``prompt`` holds as generated, oldest first."""
-
-    @property
-    def tokens(self) -> int:
-        return len(self.prompt) + len(self.output)
-
-    def own_mark(self) -> Mark:
-        """The mark of this entry's own answer."""
-        return Mark(
-            self.messages,
-            len(self.prompt),
-            self.tokens,
-            _mark_digest(self.history, self.answer),
-        )
-
-    @property
-    def id(self) -> tuple[int, bytes]:
-        """Which request it answered: two entries with one id are the same history's."""
-        return (self.messages, self.history)
-
-
-_HEAD = struct.Struct("<IIII")
-_MARK = struct.Struct("<III")
-_FORMAT = 2
-
-
-def _le(ids: array[int]) -> bytes:
-    if sys.byteorder == "little":
-        return ids.tobytes()
-    swapped = array("i", ids)
-    swapped.byteswap()
-    return swapped.tobytes()
-
-
-def _from_le(data: bytes) -> array[int]:
-    ids = array("i")
-    ids.frombytes(data)
-    if sys.byteorder != "little":
-        ids.byteswap()
-    return ids
-
-
-def pack(entries: Sequence[Entry]) -> bytes:
-    """Entries as bytes (ids little-endian, 4 bytes each; a mark 28 bytes)."""
-    out = [bytes([_FORMAT, len(entries)])]
-    for e in entries:
-        out += [
-            _HEAD.pack(e.messages, len(e.prompt), len(e.output), len(e.marks)),
-            e.history,
-            e.answer,
-            e.context,
-            _le(e.prompt),
-            _le(e.output),
-        ]
-        for m in e.marks:
-            out += [_MARK.pack(m.messages, m.start, m.end), m.digest]
-    return b"".join(out)
-
-
-def unpack(data: bytes) -> list[Entry]:
-    """:func:`pack`'s entries ([] for bytes of another format or cut short)."""
-    if len(data) < 2 or data[0] != _FORMAT:
-        return []
-    out: list[Entry] = []
-    at = 2
-    try:
-        for _ in range(data[1]):
-            messages, n_prompt, n_output, n_marks = _HEAD.unpack_from(data, at)
-            at += _HEAD.size
-            history, answer, context = (
-                data[at + i * _DIGEST : at + (i + 1) * _DIGEST] for i in range(3)
-            )
-            at += 3 * _DIGEST
-            prompt = _from_le(data[at : at + 4 * n_prompt])
-            at += 4 * n_prompt
-            output = _from_le(data[at : at + 4 * n_output])
-            at += 4 * n_output
-            if len(prompt) != n_prompt or len(output) != n_output:
-                return []
-            marks = []
-            for _ in range(n_marks):
-                m, start, end = _MARK.unpack_from(data, at)
-                at += _MARK.size
-                digest = data[at : at + _DIGEST]
-                at += _DIGEST
-                if len(digest) != _DIGEST:
-                    return []
-                marks.append(Mark(m, start, end, digest))
-            out.append(Entry(messages, history, answer, context, prompt, output, tuple(marks)))
-    except (struct.error, ValueError):
-        return []
-    return out
-
-
-def _merged(
-    old: Sequence[Entry], entry: Entry, replaces: set[tuple[int, bytes]], branches: int, cap: int
-) -> list[Entry]:
-    """A conversation's entries after ``entry`` (newest first): without those it supersedes,
-    at most ``branches`` of them and ``cap`` tokens in all."""
-    out: list[Entry] = []
-    total = 0
-    for e in [entry, *(e for e in old if e.id not in replaces and e.id != entry.id)]:
-        if len(out) >= branches:
-            break
-        if total + e.tokens > cap:
-            continue
-        out.append(e)
-        total += e.tokens
-    return out
-
-
-class IdentityLedger(Protocol):
-    """Where entries live: :class:`MemoryLedger` or :class:`RedisLedger`."""
-
-    async def get(self, key: StoreKey) -> list[Entry]:
-        """The conversation's entries, newest first."""
-        ...
-
-    async def put(self, key: StoreKey, entry: Entry, replaces: set[tuple[int, bytes]]) -> None:
-        """Keep ``entry``, dropping the entries it supersedes (their ids in ``replaces``)."""
-        ...
-
-    async def drop(self, key: StoreKey) -> None: ...
-
-    async def aclose(self) -> None: ...
-
-
-class MemoryLedger:
-    """One router's entries: ``max_tokens`` in all (least recently used conversations go
-    first), ``per_conversation`` tokens and ``branches`` entries per conversation, each
-    forgotten ``ttl_s`` after it was kept."""
-
-    def __init__(
-        self,
-        *,
-        max_tokens: int,
-        per_conversation: int,
-        branches: int,
-        ttl_s: float,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.max_tokens, self.per_conversation = max_tokens, per_conversation
-        self.branches = branches
-        self.ttl_s, self._clock = ttl_s, clock
-        self._held: OrderedDict[StoreKey, tuple[float, list[Entry]]] = OrderedDict()
-        self.tokens = 0
-
-    def _remove(self, key: StoreKey) -> None:
-        held = self._held.pop(key, None)
-        if held is not None:
-            self.tokens -= sum(e.tokens for e in held[1])
-
-    async def get(self, key: StoreKey) -> list[Entry]:
-        held = self._held.get(key)
-        if held is None:
-            return []
-        if self._clock() - held[0] > self.ttl_s:
-            self._remove(key)
-            return []
-        self._held.move_to_end(key)
-        return list(held[1])
-
-    async def put(self, key: StoreKey, entry: Entry, replaces: set[tuple[int, bytes]]) -> None:
-        held = self._held.get(key)
-        old = held[1] if held is not None and self._clock() - held[0] <= self.ttl_s else []
-        cap = min(self.per_conversation, self.max_tokens)
-        entries = _merged(old, entry, replaces, self.branches, cap)
-        self._remove(key)
-        if not entries:
-            return
-        self._held[key] = (self._clock(), entries)
-        self.tokens += sum(e.tokens for e in entries)
-        while self.tokens > self.max_tokens and self._held:
-            self._remove(next(iter(self._held)))
-
-    async def drop(self, key: StoreKey) -> None:
-        self._remove(key)
-
-    async def aclose(self) -> None:
-        self._held.clear()
-        self.tokens = 0
-
-    def __len__(self) -> int:
-        return len(self._held)
-
-
-def _escape(part: str) -> str:
-    return part.replace("%", "%25").replace(":", "%3A")
-
-
-class RedisLedger:
-    """Entries in Redis, shared by the router's replicas: one key per conversation,
-    ``{prefix}identity:{tenant}:{conversation id}`` (``%`` and ``:`` escaped), its entries
-    packed (:func:`pack`), expiring ``ttl_s`` after the last turn kept. Replicas racing on one
-    conversation keep the last write (an entry lost costs one rendered turn, never a wrong one:
-    an entry is used only where the request's own digests match it)."""
-
-    def __init__(
-        self,
-        client: redis.asyncio.Redis,
-        *,
-        prefix: str,
-        per_conversation: int,
-        branches: int,
-        ttl_s: float,
-    ) -> None:
-        self.client, self.prefix = client, prefix
-        self.per_conversation, self.branches, self.ttl_s = per_conversation, branches, ttl_s
-
-    def key(self, key: StoreKey) -> str:
-        tenant, conversation = key
-        return f"{self.prefix}identity:{_escape(tenant)}:{_escape(conversation)}"
-
-    async def get(self, key: StoreKey) -> list[Entry]:
-        raw = await self.client.get(self.key(key))
-        return unpack(raw) if isinstance(raw, bytes) else []
-
-    async def put(self, key: StoreKey, entry: Entry, replaces: set[tuple[int, bytes]]) -> None:
-        old = await self.get(key)
-        entries = _merged(old, entry, replaces, self.branches, self.per_conversation)
-        if entries:
-            px = max(1, round(self.ttl_s * 1000))
-            await self.client.set(self.key(key), pack(entries), px=px)
-        else:
-            await self.client.delete(self.key(key))
-
-    async def drop(self, key: StoreKey) -> None:
-        await self.client.delete(self.key(key))
-
-    async def aclose(self) -> None:
-        """The client is the handle store's: it closes it."""
 
 
 # -- one turn -------------------------------------------------------------------------------------
@@ -610,7 +225,7 @@ class Identity:
             self._failed("identity_get", exc)
             entries = []
         counts = {e.messages for e in entries} | {m.messages for e in entries for m in e.marks}
-        prefixes = _prefix_digests(messages, counts | {len(messages)})
+        prefixes = prefix_digests(messages, counts | {len(messages)})
         extended = [
             e
             for e in entries
@@ -638,7 +253,7 @@ class Identity:
             got = await self._kept(entry, mark, found, messages, req, ask, pending)
             if got.ids is None:
                 return got
-            return replace(got, pending=replace(pending, marks=_bounded([*entry.marks, mark])))
+            return replace(got, pending=replace(pending, marks=bounded([*entry.marks, mark])))
         # the history changed: the longest prefix ending with a recorded answer, if any
         best: tuple[Entry, int] | None = None
         for entry in entries:
@@ -654,7 +269,7 @@ class Identity:
                 if (
                     history is not None
                     and isinstance(answer, Mapping)
-                    and _mark_digest(history, message_digest(answer)) == mark.digest
+                    and mark_digest(history, message_digest(answer)) == mark.digest
                     and all(isinstance(m, Mapping) for m in messages[mark.messages + 1 :])
                 ):
                     best = (entry, i)
@@ -728,7 +343,7 @@ class Identity:
     ) -> list[int]:
         context = entry.context
         body = req.body
-        extra = {k: body[k] for k in _CONTEXT_KEYS if body.get(k) is not None}
+        extra = {k: body[k] for k in CONTEXT_KEYS if body.get(k) is not None}
         model = {"model": body["model"]} if body.get("model") is not None else {}
 
         async def answer_call(request: Request) -> Any:
@@ -762,10 +377,12 @@ class Identity:
                 raise ValueError("/detokenize returned no 'prompt'")
             return text
 
-        kept = (entry.prompt.tolist() + entry.output.tolist())[: mark.end]
+        data = (entry.prompt.le() + entry.output.le())[: 4 * mark.end]
+        kept = le_ints(data)
         job = AppendJob([dict(m) for m in new], kept[mark.start :], dict(answer))
         appended = await run_plan_async(append_plan(job), answer_call)
-        return kept + appended
+        # the kept ids' int32 bytes are the ledger's: only the new messages' are encoded
+        return TokenIds(kept + appended, data=data + int32_le(appended))
 
     async def record(
         self,
@@ -786,8 +403,8 @@ class Identity:
                 pending.history,
                 answer_digest(message),
                 pending.context,
-                _ids(prompt_ids),
-                _ids(output_ids),
+                PackedIds.of(prompt_ids),
+                PackedIds.of(output_ids),
                 marks,
             )
             await self.ledger.put(pending.key, entry, set(pending.replaces))

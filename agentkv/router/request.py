@@ -37,6 +37,8 @@ __all__ = [
     "ClientRequest",
     "TokenIds",
     "checked_ids",
+    "int32_le",
+    "parse_body",
     "parse_request",
     "read_body",
     "wire_ids",
@@ -219,6 +221,9 @@ class TokenIds(list[int]):
         super().__init__(ids)
         self._data: bytes | None = data
         self._json: bytes | None = None
+        if isinstance(ids, TokenIds):  # a copy keeps the encodings already made
+            self._data = ids._data if data is None else data
+            self._json = ids._json
 
     @property
     def data(self) -> bytes:
@@ -319,6 +324,22 @@ def parse_request(
         body = json_object(raw)
     except ValueError as exc:
         raise APIError(400, str(exc)) from exc
+    return parse_body(body, headers, chat=chat, session_body=session_body, caller=caller)
+
+
+def parse_body(
+    body: dict[str, Any],
+    headers: dict[str, str],
+    *,
+    chat: bool,
+    session_body: dict[str, Any] | None = None,
+    caller: Caller = ANONYMOUS,
+) -> ClientRequest:
+    """:func:`parse_request` of a body already parsed: another API's request converted to Chat
+    Completions by its codec (one JSON parse per request). ``body`` becomes the request's: its
+    top-level fields are changed in place, nothing nested is. It must be what JSON can say
+    (dicts, lists, strings, numbers, booleans, None), as a codec's conversion of parsed JSON
+    is (the size limit is the client's own body's, checked as it was read)."""
     try:
         model = (_Chat if chat else _Completion).model_validate(body)
     except ValidationError as exc:

@@ -27,7 +27,6 @@ import logging
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
@@ -46,7 +45,7 @@ from agentkv.router.config import RouterConfig
 from agentkv.router.edge import adapt
 from agentkv.router.logs import safe
 from agentkv.router.pd import Router
-from agentkv.router.request import parse_request, read_body
+from agentkv.router.request import parse_body, read_body
 from agentkv.router.responses_store import ResponseStore, StoredResponse
 from agentkv.router.tenancy import Tenancy
 from agentkv.router.tracing import extracted
@@ -81,9 +80,7 @@ class ResponsesAPI:
                 raise not_found_error(previous_id)
         chat = responses_to_chat(body, previous.items if previous else None)
         headers = {k.lower(): v for k, v in request.headers.items()}
-        req = parse_request(
-            orjson.dumps(chat), headers, chat=True, config=config, caller=caller, session_body=body
-        )
+        req = parse_body(chat, headers, chat=True, caller=caller, session_body=body)
         response_id = new_response_id()
         keep = body.get("store") is not False
         if req.conversation_id is None:

@@ -7,12 +7,14 @@ re-streamed in vLLM's chunk format.
 
 :class:`EventRelay` is the streamed path. It works on what one read from D returned (usually
 several events) and parses only what the router needs: vLLM 0.33 puts the handle
-(``kv_transfer_params``), ``finish_reason`` and ``usage`` on the last chunks only, with ``null``
-on the others, so a block of events in which none of them is set is passed through as D's bytes,
-with the token-id lists found by ``bytes.find`` (the prompt's echo, 128k ids at agent sizes, costs
-one scan for its closing bracket), read, and replaced by ``null`` when the client must not see
-them. Events that carry a value are parsed and rewritten as before. The block goes
-to the client in one write.
+(``kv_transfer_params``) and ``finish_reason`` on the last chunks only, with ``null`` on the
+others, so a block of events in which neither is set is passed through as D's bytes, with the
+token-id lists found by ``bytes.find`` (the prompt's echo, 128k ids at agent sizes, costs one scan
+for its closing bracket), read, and replaced by ``null`` when the client must not see them. An
+event that sets one is parsed once (and so is every event when the relay reads the answer's
+deltas for token identity), and only the handle's event is re-serialized: the others keep D's
+bytes. ``usage``, which ``continuous_usage_stats`` (a Messages turn asks for it) puts on every
+chunk, is read once, from the last event that sets it. The block goes to the client in one write.
 """
 
 from __future__ import annotations
@@ -30,15 +32,18 @@ from agentkv.protocol.http import sse
 __all__ = [
     "Captured",
     "EventRelay",
+    "ParsedEvents",
     "aiter_chunks",
     "clean_response",
     "rewrite_chunk",
     "synthesize_stream",
 ]
 
-_SET = re.compile(rb'"(?:kv_transfer_params|finish_reason|usage)"\s*:\s*[^n\s]')
-"""A field the router must read is set (not ``null``) in this event. A match inside a string
-value is impossible (its quotes would be escaped); a spurious one only costs a parse."""
+_READ = re.compile(rb'"(?:kv_transfer_params|finish_reason)"\s*:\s*[^n\s]')
+"""A field the router must read at once is set (not ``null``) in this event. A match inside a
+string value is impossible (its quotes would be escaped); a spurious one only costs a parse."""
+_USAGE = re.compile(rb'"usage"\s*:\s*[^n\s]')
+"""``usage`` is set: read once, from the last event that sets it."""
 _SPACE = frozenset(b" \t\n\r")
 _OPENERS = frozenset(b"{,")
 _DONE = b"data: [DONE]"
@@ -113,6 +118,21 @@ def clean_response(
     return captured
 
 
+class ParsedEvents(bytes):
+    """Whole SSE events' bytes as the relay writes them, with the JSON object of each event as
+    the relay parsed it (None: not parsed), in order: an edge codec re-encoding the stream
+    reads those instead of parsing the events again. The objects are the events' before the
+    ids lists were cut (the client's bytes have them ``null``): read them, do not change them."""
+
+    chunks: list[dict[str, Any] | None]
+
+    @classmethod
+    def of(cls, data: bytes, chunks: list[dict[str, Any] | None]) -> ParsedEvents:
+        out = cls(data)
+        out.chunks = chunks
+        return out
+
+
 class EventRelay:
     """D's SSE bytes in, the client's out, :class:`Captured` filled on the way.
 
@@ -136,6 +156,9 @@ class EventRelay:
         self.keep_ids, self.keep_prompt_ids = keep_ids, keep_prompt_ids
         self.done = False
         self._parts: list[bytes] = []
+        self._usage: bytes | None = None
+        """The last event that set ``usage`` and was not parsed (:meth:`_read_usage`)."""
+        self._chunks: list[dict[str, Any] | None] = []
         if accumulate:
             captured.answer = DeltaFold()
 
@@ -160,7 +183,10 @@ class EventRelay:
     def close(self) -> bytes:
         rest = b"".join(self._parts)
         self._parts = []
-        return self._block(rest + b"\n\n") if rest.strip() else b""
+        out = self._block(rest + b"\n\n") if rest.strip() else b""
+        if self._usage is not None:
+            self._read_usage()
+        return out
 
     def _block(self, block: bytes) -> bytes:
         if not self.keep_prompt_ids:
@@ -169,50 +195,96 @@ class EventRelay:
             block = _without_prompt_ids(block)
         if _DONE in block:
             self.done = True
-        if self.captured.answer is not None:
-            light = block if not self.keep_prompt_ids else _without_prompt_ids(block)
-            self._deltas(light, self.captured.answer)
-        if _SET.search(block) is None:
-            return self._ids(block)
-        # some event carries the handle, a finish_reason or usage: those are parsed
-        out = []
-        for event in block.split(b"\n\n"):
-            if not event:
-                continue
-            if _SET.search(event) is None:
-                out.append(self._ids(event) + b"\n\n")
-                continue
-            for line in event.split(b"\n"):
-                if not line.startswith(b"data: "):
-                    continue
-                try:
-                    chunk = orjson.loads(line[6:])
-                except orjson.JSONDecodeError:
-                    continue
-                if isinstance(chunk, dict):
-                    rewrite_chunk(
-                        chunk,
-                        self.captured,
-                        keep_ids=self.keep_ids,
-                        keep_prompt_ids=self.keep_prompt_ids,
-                    )
-                    out.append(sse(chunk))
-        return b"".join(out)
+        answer = self.captured.answer
+        if _READ.search(block) is not None:  # the handle's or the finish's: event by event
+            self._chunks = []
+            out = b"".join(self._event(e, answer) for e in block.split(b"\n\n") if e)
+            if any(c is not None for c in self._chunks):
+                out = ParsedEvents.of(out, self._chunks)
+        elif answer is not None:  # every event parsed once: its delta, its usage
+            chunks = [self._read(e, answer) for e in block.split(b"\n\n") if e]
+            out = ParsedEvents.of(self._ids(block), chunks)
+        else:
+            if _USAGE.search(block) is not None:
+                self._usage_event(block)
+            out = self._ids(block)
+        if self.done and self._usage is not None:
+            self._read_usage()
+        return out
 
-    @staticmethod
-    def _deltas(block: bytes, answer: DeltaFold) -> None:
-        for line in block.split(b"\n"):
-            if not line.startswith(b"data: {"):
-                continue
-            try:
-                chunk = orjson.loads(line[6:])
-            except orjson.JSONDecodeError:
-                continue
-            choices = chunk.get("choices") if isinstance(chunk, dict) else None
-            if choices and isinstance(choices[0], dict):
-                delta = choices[0].get("delta")
-                if isinstance(delta, dict):
-                    answer.feed(delta)
+    def _event(self, event: bytes, answer: DeltaFold | None) -> bytes:
+        """One event's bytes for the client. Parsed once when the router reads something in it
+        (the handle, a ``finish_reason``, the deltas); re-serialized only when it carries the
+        handle. The ids lists are read and cut in the bytes (:meth:`_ids`), the usage is read
+        at the end (:meth:`_read_usage`): with ``continuous_usage_stats`` every chunk carries
+        one, and only the last counts."""
+        read = _READ.search(event) is not None
+        chunks = self._chunks
+        if not read and answer is None:
+            if _USAGE.search(event) is not None:
+                self._usage_event(event)
+            chunks.append(None)
+            return self._ids(event) + b"\n\n"
+        light = _without_prompt_ids(event) if self.keep_prompt_ids else event
+        chunk = _data(light)
+        if chunk is None:
+            if read:
+                return b""
+            chunks.append(None)
+            return self._ids(event) + b"\n\n"
+        chunks.append(chunk)
+        if answer is not None:
+            self._take(chunk, answer)
+        elif chunk.get("usage"):
+            self._usage, self.captured.usage = None, chunk["usage"]
+        if not read:
+            return self._ids(event) + b"\n\n"
+        if chunk.get("kv_transfer_params") is None:
+            for choice in chunk.get("choices") or []:
+                if isinstance(choice, dict) and choice.get("finish_reason"):
+                    self.captured.finish_reason = choice["finish_reason"]
+            return self._ids(event) + b"\n\n"
+        # the handle: the one event the client gets re-serialized (it must not see the handle)
+        if light is not event:
+            chunk = _data(event) or chunk
+        rewrite_chunk(
+            chunk, self.captured, keep_ids=self.keep_ids, keep_prompt_ids=self.keep_prompt_ids
+        )
+        chunks[-1] = chunk
+        return sse(chunk)
+
+    def _read(self, event: bytes, answer: DeltaFold) -> dict[str, Any] | None:
+        """Parse an event that sets neither the handle nor a ``finish_reason``: its delta
+        and its usage are read."""
+        light = _without_prompt_ids(event) if self.keep_prompt_ids else event
+        chunk = _data(light)
+        if chunk is not None:
+            self._take(chunk, answer)
+        return chunk
+
+    def _take(self, chunk: dict[str, Any], answer: DeltaFold) -> None:
+        """A parsed chunk's delta (into ``answer``) and usage."""
+        choices = chunk.get("choices")
+        if choices and isinstance(choices[0], dict):
+            delta = choices[0].get("delta")
+            if isinstance(delta, dict):
+                answer.feed(delta)
+        if chunk.get("usage"):
+            self._usage, self.captured.usage = None, chunk["usage"]
+
+    def _usage_event(self, block: bytes) -> None:
+        """Keep the last event of ``block`` that sets ``usage``, for :meth:`_read_usage`."""
+        for event in reversed(block.split(b"\n\n")):
+            if _USAGE.search(event) is not None:
+                self._usage = event
+                return
+
+    def _read_usage(self) -> None:
+        """The usage of the last event that set one (parsed once, at the end of the stream)."""
+        event, self._usage = self._usage, None
+        chunk = _data(event) if event is not None else None
+        if chunk is not None and chunk.get("usage"):
+            self.captured.usage = chunk["usage"]
 
     def _ids(self, block: bytes) -> bytes:
         """Read the output ids of events that need no parse; null the lists the client must
@@ -233,6 +305,18 @@ class EventRelay:
             return block
         out.append(block[done:])
         return b"".join(out)
+
+
+def _data(event: bytes) -> dict[str, Any] | None:
+    """The JSON object of an event's ``data:`` line (None: none, or not an object)."""
+    for line in event.split(b"\n"):
+        if line.startswith(b"data: {"):
+            try:
+                chunk = orjson.loads(line[6:])
+            except orjson.JSONDecodeError:
+                return None
+            return chunk if isinstance(chunk, dict) else None
+    return None
 
 
 def _id_lists(block: bytes) -> Iterator[tuple[bool, int, int]]:

@@ -35,7 +35,9 @@ from agentkv.router.identity import (
     pack,
     unpack,
 )
-from agentkv.router.request import ClientRequest, parse_request
+from agentkv.router.identity_digests import prefix_digests
+from agentkv.router.identity_ids import PackedIds
+from agentkv.router.request import ClientRequest, TokenIds, int32_le, parse_request
 from agentkv.router.sse import Captured, EventRelay
 from agentkv.sim import SimConfig
 from agentkv.sim import create_app as create_sim
@@ -154,9 +156,24 @@ def entry(messages: int, tokens: int, tag: int = 0) -> Entry:
         bytes([tag]) * 16,
         bytes([tag + 1]) * 16,
         bytes([tag + 2]) * 16,
-        array("i", range(tokens - 2)),
-        array("i", [tag, (1 << 31) - 1]),
+        PackedIds.of(array("i", range(tokens - 2))),
+        PackedIds.of(array("i", [tag, (1 << 31) - 1])),
     )
+
+
+def test_packed_ids_round_trip_in_about_two_bytes_an_id() -> None:
+    # a 150k vocabulary: most ids below 65,536, some above, the int32 extremes
+    ids = [(i * 7919) % 151_000 for i in range(32_000)] + [0, 65_535, 65_536, (1 << 31) - 1]
+    packed = PackedIds.of(ids)
+    assert packed.tolist() == ids and len(packed) == len(ids)
+    assert packed.le() == array("i", ids).tobytes()  # the test machine is little-endian
+    assert packed == PackedIds.of(array("i", ids)) and packed != PackedIds.of(ids[:-1])
+    assert packed.nbytes < 2.2 * len(ids)
+    small = PackedIds.of(list(range(60_000)))  # all below 65,536: exactly 2 bytes an id
+    assert small.nbytes == 2 * 60_000 and small.tolist() == list(range(60_000))
+    assert PackedIds.of([]).tolist() == [] and len(PackedIds.of([])) == 0
+    with pytest.raises(OverflowError):
+        PackedIds.of([1 << 31])
 
 
 def test_entries_pack_and_unpack() -> None:
@@ -373,6 +390,9 @@ async def test_a_history_that_repeats_the_answer_keeps_the_ids(tok: Tokenizer) -
     job = AppendJob([messages[-1]], output, answer)
     plan = append_plan(job)
     assert got.ids[len(prompt) + len(output) :] == await run_plan_async(plan, _answer(tok))
+    # the ids' int32 bytes come with them (the kept part's from the ledger), and survive a copy
+    assert isinstance(got.ids, TokenIds) and got.ids.data == int32_le(list(got.ids))
+    assert TokenIds(got.ids).data is got.ids.data
     # a full render agrees up to the answer, then renders it otherwise (Qwen3 drops the empty
     # think block the model generated): what the pull would have lost as drift
     full = await tok.render(messages)
@@ -668,19 +688,17 @@ async def test_an_edit_before_the_first_answer_keeps_nothing(tok: Tokenizer) -> 
 
 
 async def test_marks_are_bounded(tok: Tokenizer) -> None:
-    from agentkv.router.identity import _prefix_digests
-
     identity = identity_of()
     answer = {"role": "assistant", "content": "It defines main()."}
     later = request([SYSTEM, USER, answer, {"role": "user", "content": "Why?"}])
     marks = tuple(Mark(0, i, i + 1, bytes([i]) * 16) for i in range(MAX_MARKS))
     e = Entry(
         2,
-        _prefix_digests([SYSTEM, USER], {2})[2],
+        prefix_digests([SYSTEM, USER], {2})[2],
         answer_digest(answer),
         context_digest(later.body),
-        array("i", await tok.render([SYSTEM, USER])),
-        array("i", [5, 151645]),
+        PackedIds.of(await tok.render([SYSTEM, USER])),
+        PackedIds.of([5, 151645]),
         marks,
     )
     await identity.ledger.put((later.tenant, "c1"), e, set())

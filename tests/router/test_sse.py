@@ -9,6 +9,7 @@ events and the router must capture the same handle, ids, finish reason and usage
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -102,3 +103,80 @@ def test_a_long_echo_in_many_reads_is_cut_and_the_answer_kept(accumulate: bool) 
     assert relay.captured.handle == want.handle
     if accumulate:
         assert relay.captured.answer is not None and relay.captured.answer.tool_calls()
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_continuous_usage_passes_as_sent_and_the_last_counts(accumulate: bool) -> None:
+    """``continuous_usage_stats`` (a Messages turn's): every chunk carries ``usage``; the
+    events pass as D sent them (only the handle's is rewritten), the last usage is captured."""
+    lines: list[bytes] = []
+    for n, line in enumerate(STREAM.split(b"\n\n")):
+        if line.startswith(b"data: {"):
+            chunk = orjson.loads(line[6:])
+            chunk["usage"] = chunk.get("usage") or {"prompt_tokens": 7, "completion_tokens": n}
+            line = b"data: " + orjson.dumps(chunk)
+        lines.append(line)
+    stream = b"\n\n".join(lines)
+    captured = Captured()
+    r = EventRelay(captured, keep_ids=False, keep_prompt_ids=False, accumulate=accumulate)
+    out = b"".join(r.feed(stream[i : i + 100]) for i in range(0, len(stream), 100)) + r.close()
+    want, want_cap = reference(keep_ids=False, keep_prompt_ids=False)
+    got = events(out)
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        if isinstance(w, dict):
+            assert isinstance(g, dict) and g.pop("usage")
+            assert {**w, "usage": None} == {**g, "usage": None}
+    assert (captured.handle, captured.output_ids) == (want_cap.handle, want_cap.output_ids)
+    assert captured.finish_reason == want_cap.finish_reason
+    assert captured.usage == want_cap.usage  # the last chunk's
+    plain = [e for e in lines if e.startswith(b"data: {") and b"remote_block_ids" not in e]
+    for event in plain[1:3]:  # content chunks: D's bytes, ids nulled in place
+        assert b'"usage":{' in event
+        assert event.replace(b"token_ids", b"").split(b"[")[0] in out
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("encoder", ["messages", "responses"])
+async def test_the_edge_reencodes_from_the_relay_s_own_parse(encoder: str) -> None:
+    """An accumulating relay hands its parse of each event to the edge codecs (one parse per
+    event, not two): what they write is what they write from the bytes alone."""
+    from agentkv.protocol.responses_stream import ResponsesEncoder
+    from agentkv.router.edge import Encoder, _reencode
+    from agentkv.router.messages import MessagesEncoder
+    from agentkv.router.sse import ParsedEvents
+
+    def make() -> Encoder:
+        if encoder == "messages":
+            return MessagesEncoder()
+        return ResponsesEncoder({"model": "m", "input": "hi"}, response_id="resp_1")
+
+    relay = EventRelay(Captured(), keep_ids=False, keep_prompt_ids=False, accumulate=True)
+    parts = [relay.feed(STREAM[i : i + 300]) for i in range(0, len(STREAM), 300)]
+    parts = [p for p in [*parts, relay.close()] if p]
+    parsed = [p for p in parts if isinstance(p, ParsedEvents)]
+    assert parsed and all(len(p.chunks) == p.count(b"\n\n") for p in parsed)
+
+    async def source(items: list[bytes]) -> Any:
+        for item in items:
+            yield item
+
+    async def encoded(items: list[bytes]) -> bytes:
+        return b"".join([out async for out in _reencode(source(items), make())])
+
+    def stable(data: bytes) -> list[object]:  # a thinking block's signature is random
+        out: list[object] = []
+        for line in data.split(b"\n"):
+            if line.startswith(b"data: "):
+                event = orjson.loads(line[6:])
+                delta = event.get("delta")
+                if isinstance(delta, dict) and delta.get("type") == "signature_delta":
+                    event["delta"]["signature"] = "-"
+                out.append(event)
+        return out
+
+    from_parse = await encoded(parts)
+    from_bytes = await encoded([bytes(p) for p in parts])
+    assert from_parse and stable(from_parse) == stable(from_bytes)
+    if encoder == "messages":
+        assert from_parse.replace(b" ", b"").count(b"tool_use") >= 1
