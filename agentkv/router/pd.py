@@ -24,8 +24,8 @@ from starlette.responses import Response, StreamingResponse
 from agentkv.protocol import HEADER_SIM_ENGINE_ID
 from agentkv.protocol import kv_transfer as kvt
 from agentkv.protocol.errors import APIError, UpstreamError
-from agentkv.protocol.http import ORJSONResponse
 from agentkv.router import turn as core
+from agentkv.router.bodies import answer_response, decode_body, prefill_body
 from agentkv.router.config import RouterConfig
 from agentkv.router.guard import GuardedStore
 from agentkv.router.http import Timeout, TransportError
@@ -37,9 +37,9 @@ from agentkv.router.paths import DecodeBudget, InFlight, load_curves
 from agentkv.router.prompts import Tokenizer
 from agentkv.router.receipt import Receipt, account, decode_found, sim_receipt
 from agentkv.router.relay import Relay, StreamOutcome
-from agentkv.router.request import ClientRequest, TokenIds, wire_ids
+from agentkv.router.request import ClientRequest, TokenIds
 from agentkv.router.retention import Retention
-from agentkv.router.sse import Captured, aiter_chunks, clean_response, synthesize_stream
+from agentkv.router.sse import Captured, clean_response
 from agentkv.router.store import StoredHandle
 from agentkv.router.tasks import TaskSet
 from agentkv.router.tracing import trace_headers
@@ -219,15 +219,7 @@ class Router:
         """P's request; what came of it, for the turn core."""
         cfg = self.config
         engine, ids = self._prefill_by_url[action.url], action.prompt
-        body: dict[str, Any] = {
-            "prompt": wire_ids(ids),
-            "max_tokens": 1,
-            "stream": False,
-            "kv_transfer_params": action.params,
-        }
-        for key in ("model", "cache_salt", "priority"):
-            if key in req.body:
-                body[key] = req.body[key]
+        body = prefill_body(req, action)
         timeout = (
             cfg.upstream.prefill_deadline_s
             + len(ids) / 1000 * cfg.upstream.prefill_deadline_per_1k_s
@@ -392,18 +384,9 @@ class Router:
         """D's request; the client's response goes in ``turn`` once D has answered."""
         req, started, receipt = turn.req, turn.started, action.receipt
         ids = action.remember.prompt.prompt
-        body = req.copy_body()
-        if req.chat:
-            body["kv_transfer_params"] = dict(action.params, prompt_token_ids=wire_ids(ids))
-        else:
-            body["prompt"] = wire_ids(ids)
-            body["kv_transfer_params"] = action.params
-        body["return_token_ids"] = True
         headers = receipt.headers()
         relay = req.stream and engine.backend.handle_on_stream
-        if not relay:
-            body["stream"] = False
-            body.pop("stream_options", None)
+        body = decode_body(req, action, relay=relay)
         engine.outstanding_requests += 1
         t0 = time.perf_counter()
         most = req.body.get("max_completion_tokens") or req.body.get("max_tokens")
@@ -458,16 +441,7 @@ class Router:
             self.metrics.turn_seconds.labels(receipt.decision).observe(
                 time.perf_counter() - started
             )
-            if req.stream:
-                opts = req.body.get("stream_options") or {}
-                chunks = synthesize_stream(
-                    data, chat=req.chat, include_usage=bool(opts.get("include_usage"))
-                )
-                turn.response = StreamingResponse(
-                    aiter_chunks(chunks), media_type="text/event-stream", headers=headers
-                )
-            else:
-                turn.response = ORJSONResponse(data, headers=headers)
+            turn.response = answer_response(req, data, headers)
             return core.DecodeStarted()
         engine.ok()
 
