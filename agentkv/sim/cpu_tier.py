@@ -25,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from agentkv.sim.blocks import KVContent
+from agentkv.sim.blocks import KVContent, leading_run
 
 __all__ = ["CpuTier", "SaveResult"]
 
@@ -66,12 +66,7 @@ class CpuTier:
     def lookup(self, hashes: Sequence[bytes]) -> list[KVContent]:
         """The contents of the longest run of ``hashes`` (from the first) the tier holds; the
         blocks found become the most recently used."""
-        found: list[KVContent] = []
-        for h in hashes:
-            content = self._blocks.get(h)
-            if content is None:
-                break
-            found.append(content)
+        found = leading_run(self._blocks, hashes)
         self._touch(hashes[: len(found)])
         return found
 
