@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from agentkv._toml import tomllib
 from agentkv.router.config import RouterConfig
 from agentkv.sim.costmodel import CostModel, load_cost_file
 from agentkv.sim.script import SimScript
@@ -30,11 +31,6 @@ from tests._support.snippets import (
     run_block,
     serve_local,
 )
-
-try:
-    import tomllib
-except ImportError:  # Python 3.10
-    import tomli as tomllib
 
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 BLOCKS = [b for path in [ROOT / "README.md", *DOCS] for b in blocks(path)]

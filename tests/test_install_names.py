@@ -15,11 +15,7 @@ from pathlib import Path
 import pytest
 
 from agentkv._extras import EXTRAS, install_hint
-
-try:
-    import tomllib
-except ImportError:  # Python 3.10
-    import tomli as tomllib
+from agentkv._toml import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 FIRST_LINES = [

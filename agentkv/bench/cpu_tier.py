@@ -57,6 +57,7 @@ from agentkv.bench.retention import (
 from agentkv.bench.traces import Session, ideal_reuse, transition
 from agentkv.router.paths import Curves, DecodeBudget
 from agentkv.sim.costmodel import CostModel
+from agentkv.sim.cpu_tier import check_tier
 
 __all__ = [
     "GOAL_LOST",
@@ -94,10 +95,7 @@ class RunLru:
     100k tokens is 6,000 blocks a save: one run, not 6,000 entries)."""
 
     def __init__(self, capacity: int, *, failure_rate: float = 0.0, seed: int = 0) -> None:
-        if capacity < 1:
-            raise ValueError("a CPU tier holds at least one block")
-        if not 0.0 <= failure_rate <= 1.0:
-            raise ValueError("the save failure rate must be within [0, 1]")
+        check_tier(capacity, failure_rate)
         self.capacity = capacity
         self.failure_rate = failure_rate
         self._rng = random.Random(seed)

@@ -28,10 +28,13 @@ import typer
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
+from agentkv.cli._common import single_command
+
 __all__ = [
     "Flag",
     "group_parameters",
     "group_values",
+    "model_command",
     "model_values",
     "option_name",
     "with_model_options",
@@ -231,6 +234,24 @@ def with_model_options(
         return func
 
     return decorate
+
+
+def model_command(
+    name: str,
+    help: str,
+    run: Callable[..., None],
+    model: type[BaseModel],
+    flags: Mapping[str, Flag],
+    **options: Any,
+) -> Any:
+    """The click command ``name`` (its help ``help``) that calls ``run(**values)`` with one option
+    per field of ``model`` (``options``: :func:`with_model_options`'s); ``run`` is left as it is."""
+
+    def command(**values: Any) -> None:
+        run(**values)
+
+    command.__doc__ = help
+    return single_command(name, with_model_options(model, flags, **options)(command))
 
 
 def model_values(

@@ -13,8 +13,8 @@ from typing import Annotated, Any
 
 import typer
 
-from agentkv.cli._common import one_line, single_command, unavailable_command
-from agentkv.cli._options import Flag, group_values, with_model_options
+from agentkv.cli._common import one_line, unavailable_command
+from agentkv.cli._options import Flag, group_values, model_command
 
 __all__ = ["HELP", "ROUTER_FLAGS", "command", "placeholder", "router"]
 
@@ -132,10 +132,6 @@ def command() -> Any:
         from agentkv.router import RouterConfig
     except ModuleNotFoundError as exc:
         return unavailable_command("router", HELP, exc)
-
-    def run(**values: Any) -> None:
-        router(**values)
-
-    run.__doc__ = HELP
-    options = with_model_options(RouterConfig, ROUTER_FLAGS, skip=_SKIP, extra=_extra, groups=True)
-    return single_command("router", options(run))
+    return model_command(
+        "router", HELP, router, RouterConfig, ROUTER_FLAGS, skip=_SKIP, extra=_extra, groups=True
+    )

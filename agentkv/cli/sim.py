@@ -10,8 +10,8 @@ from typing import Annotated, Any
 
 import typer
 
-from agentkv.cli._common import one_line, single_command, unavailable_command
-from agentkv.cli._options import Flag, model_values, with_model_options
+from agentkv.cli._common import one_line, unavailable_command
+from agentkv.cli._options import Flag, model_command, model_values
 
 __all__ = ["HELP", "SIM_FLAGS", "command"]
 
@@ -119,10 +119,6 @@ def command() -> Any:
 
     from agentkv.sim.costmodel import PRESETS
 
-    def sim(**values: Any) -> None:
-        _run(**values)
-
-    sim.__doc__ = HELP
     names = " | ".join(PRESETS)
     flags = {**SIM_FLAGS, "preset": Flag(f"Cost model preset: {names}.")}
-    return single_command("sim", with_model_options(SimConfig, flags, extra=_extra)(sim))
+    return model_command("sim", HELP, _run, SimConfig, flags, extra=_extra)

@@ -7,21 +7,16 @@ before the groups onto them (deprecated)."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from agentkv._toml import tomllib
 from agentkv.protocol.kv_events import KVEventsConfig
 from agentkv.router.config_legacy import migrate
 from agentkv.router.paths import load_curves
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
 
 __all__ = [
     "SHARED_NAMESPACE",

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
@@ -30,13 +29,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from agentkv._toml import tomllib
 from agentkv.serve.profile_model import Profile
 from agentkv.serve.profile_router import nest_router
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
 
 __all__ = [
     "ProfileError",

@@ -19,8 +19,9 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from agentkv.protocol.kv_events import (
     MEDIUM_CPU,
@@ -39,13 +40,28 @@ __all__ = [
     "NoFreeBlocksError",
     "block_hashes",
     "count_wrong_tokens",
+    "leading_run",
     "root_hash",
 ]
+
+V = TypeVar("V")
 
 
 def root_hash(cache_salt: str | None = None) -> bytes:
     """The parent hash of a sequence's first block."""
     return hashlib.sha256(b"agentkv-root\0" + (cache_salt or "").encode()).digest()
+
+
+def leading_run(table: Mapping[bytes, V], hashes: Iterable[bytes]) -> list[V]:
+    """What ``table`` holds for the longest run of ``hashes`` from the first (a prefix match: the
+    run stops at the first hash it does not hold)."""
+    run: list[V] = []
+    for h in hashes:
+        value = table.get(h)
+        if value is None:
+            break
+        run.append(value)
+    return run
 
 
 def _chain(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -204,13 +220,7 @@ class BlockPool:
         """The cached blocks for the longest run of ``hashes`` from the start."""
         if not self.prefix_caching:
             return []
-        hit: list[Block] = []
-        for h in hashes:
-            block = self._cached.get(h)
-            if block is None:
-                break
-            hit.append(block)
-        return hit
+        return leading_run(self._cached, hashes)
 
     # -- mutations ---------------------------------------------------------------------------
     def touch(self, blocks: Iterable[Block]) -> None:

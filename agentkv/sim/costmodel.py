@@ -64,17 +64,13 @@ Two more terms are not in the post either (docs/paths.md):
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
+from agentkv._toml import tomllib
 
 __all__ = [
     "PRESETS",

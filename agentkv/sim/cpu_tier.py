@@ -25,9 +25,18 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from agentkv.sim.blocks import KVContent
+from agentkv.sim.blocks import KVContent, leading_run
 
-__all__ = ["CpuTier", "SaveResult"]
+__all__ = ["CpuTier", "SaveResult", "check_tier"]
+
+
+def check_tier(capacity: int, failure_rate: float) -> None:
+    """Refuse a tier of no block or a save failure rate that is not a probability (this tier and
+    the retention plan's model of it, :class:`agentkv.bench.cpu_tier.RunLru`)."""
+    if capacity < 1:
+        raise ValueError("a CPU tier holds at least one block")
+    if not 0.0 <= failure_rate <= 1.0:
+        raise ValueError("the save failure rate must be within [0, 1]")
 
 
 @dataclass(frozen=True)
@@ -48,10 +57,7 @@ class CpuTier:
     """``capacity`` blocks of offloaded KV, least recently used evicted first."""
 
     def __init__(self, capacity: int, *, failure_rate: float = 0.0, seed: int = 0) -> None:
-        if capacity < 1:
-            raise ValueError("a CPU tier holds at least one block")
-        if not 0.0 <= failure_rate <= 1.0:
-            raise ValueError("failure_rate must be within [0, 1]")
+        check_tier(capacity, failure_rate)
         self.capacity = capacity
         self.failure_rate = failure_rate
         self._rng = random.Random(seed)
@@ -66,12 +72,7 @@ class CpuTier:
     def lookup(self, hashes: Sequence[bytes]) -> list[KVContent]:
         """The contents of the longest run of ``hashes`` (from the first) the tier holds; the
         blocks found become the most recently used."""
-        found: list[KVContent] = []
-        for h in hashes:
-            content = self._blocks.get(h)
-            if content is None:
-                break
-            found.append(content)
+        found = leading_run(self._blocks, hashes)
         self._touch(hashes[: len(found)])
         return found
 

@@ -22,9 +22,6 @@ def agent_step(i: int) -> tuple[dict[str, Any], str | None]:
     return {"reasoning": f"Done with {i}.", "content": f"File {i} defines f{i - 1}. " * 6}, None
 
 
-NO_P_CACHE = (("--no-prefix-caching",),)
-
-
 def agent_turns(conv: Any, n: int, start: int = 0) -> None:
     """n turns of a tool-using agent: a tool call, its result, an answer, a new question."""
     for i in range(start, start + n):

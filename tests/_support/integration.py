@@ -24,8 +24,6 @@ MODEL = "agentkv-sim"
 SYSTEM = "You are a careful assistant. " + " ".join(f"Rule {i}: be brief." for i in range(20))
 # .ci/run's lower-bounds stage: the frameworks at their declared floors (.ci/lower-bounds.txt)
 LOWER_BOUNDS = os.environ.get("AGENTKV_LOWER_BOUNDS") == "1"
-# P without a local prefix cache: every reused token is a verified read of D's KV.
-NO_P_CACHE = (("--no-prefix-caching",),)
 
 
 def run_process(

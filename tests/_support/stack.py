@@ -16,6 +16,10 @@ from agentkv.serve.supervisor import start_router as serve_router
 from agentkv.sim.launch import SimProcess, start_sims
 from tests._support.router_config import router_data
 
+NO_P_CACHE = (("--no-prefix-caching",),)
+"""``p_args`` of a P without its prefix cache: P recomputes what it does not read from D (what
+the pull covers is all P skips)."""
+
 MODEL = "agentkv-sim"
 
 RouterProcess = Process
@@ -141,6 +145,14 @@ def stack(
         yield s
     finally:
         s.stop()
+
+
+def vllm_032_stack(tmp: Path) -> contextlib.AbstractContextManager[Stack]:
+    """One P without its prefix cache, one D that speaks vLLM 0.32 (no KV handle on its streams:
+    the router reads a streamed decode whole and re-streams it)."""
+    return stack(
+        tmp, p_args=NO_P_CACHE, d_args=(("--compat", "0.32"),), backend={"handle_on_stream": False}
+    )
 
 
 def ids_of(s: Stack, messages: list[dict[str, Any]]) -> list[int]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -187,13 +187,22 @@ def turn(stack: Stack, conv: Any, scenario: str, n: int, *, stream: bool = False
     return record
 
 
+def ask(
+    stack: Stack, conv: Any, scenario: str, questions: Sequence[str], *, stream: bool = False
+) -> list[Turn]:
+    """One :func:`turn` per question, numbered from 1."""
+    out = []
+    for n, question in enumerate(questions, 1):
+        conv.add_user(question)
+        out.append(turn(stack, conv, scenario, n, stream=stream))
+    return out
+
+
 def six_turns(stack: Stack) -> list[Turn]:
     with stack.client() as c:
         conv = c.conversation(model=MODEL, system=f"[six-turns] {SYSTEM}")
-        out = []
-        for i in range(6):
-            conv.add_user(f"Question {i}: explain P/D disaggregation.")
-            out.append(turn(stack, conv, "six-turns", i + 1))
+        questions = [f"Question {i}: explain P/D disaggregation." for i in range(6)]
+        out = ask(stack, conv, "six-turns", questions)
     stack.settle()
     return out
 
@@ -206,10 +215,7 @@ def rewrite(stack: Stack, router: str | None = None, name: str = "rewrite") -> l
     base = router or stack.router
     with stack.client(base) as c:
         conv = c.conversation(model=MODEL, system=f"[{name}] {SYSTEM}")
-        out = []
-        for i in range(3):
-            conv.add_user(f"Question {i}: explain KV reuse.")
-            out.append(turn(stack, conv, name, i + 1))
+        out = ask(stack, conv, name, [f"Question {i}: explain KV reuse." for i in range(3)])
         msgs = conv.messages
     summary = [
         msgs[0],
@@ -279,11 +285,9 @@ def after_ttl(stack: Stack, wait_s: float) -> Turn:
 def streaming(stack: Stack) -> list[Turn]:
     with stack.client() as c:
         conv = c.conversation(model=MODEL, system=f"[streaming] {SYSTEM}")
-        out = []
-        for i in range(3):
-            conv.add_user(f"Streamed question {i}.")
-            out.append(turn(stack, conv, "streaming", i + 1, stream=True))
-        return out
+        return ask(
+            stack, conv, "streaming", [f"Streamed question {i}." for i in range(3)], stream=True
+        )
 
 
 def _int(value: str | None) -> int | None:
@@ -366,10 +370,9 @@ def new_epoch(stack: Stack) -> list[Turn]:
     intact, token for token: issue 11 verifies handles whatever the epoch, so it pulls."""
     with stack.client() as c:
         conv = c.conversation(model=MODEL, system=f"[new-epoch] {SYSTEM}")
-        out = []
-        for i in range(2):
-            conv.add_user(f"Question {i}: what survives a rewrite?")
-            out.append(turn(stack, conv, "new-epoch", i + 1))
+        out = ask(
+            stack, conv, "new-epoch", [f"Question {i}: what survives a rewrite?" for i in range(2)]
+        )
         ids = [*conv.token_ids, *tail_ids(stack.router, "After the rewrite.")]
         record, _ = raw_turn(stack, "new-epoch", 3, conv.id, 1, ids)
         out.append(record)

@@ -28,8 +28,8 @@ for _path in [
 from _sim import Scripts, clients  # noqa: E402
 
 import agentkv  # noqa: E402
-from tests._support.integration import NO_P_CACHE, Recorder  # noqa: E402
-from tests._support.stack import Stack, stack  # noqa: E402
+from tests._support.integration import Recorder  # noqa: E402
+from tests._support.stack import NO_P_CACHE, Stack, stack  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -18,12 +18,8 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from agentkv._toml import tomllib
 from tests._support.integration import ROOT, run_process
-
-try:
-    import tomllib
-except ImportError:  # Python 3.10
-    import tomli as tomllib
 
 
 @dataclass(frozen=True)

@@ -14,15 +14,12 @@ import pytest
 
 from agentkv.protocol import HEADER_IDENTITY, HEADER_TRIM_CAUSE, HEADER_VERIFIED_PREFIX_TOKENS
 from tests._support.agents import SYSTEM, TOOLS
-from tests._support.stack import MODEL, Stack, stack
+from tests._support.stack import MODEL, NO_P_CACHE, Stack, stack, vllm_032_stack
 from tests._support.templates import TEMPLATES_DIR
 
 QWEN3 = str(TEMPLATES_DIR / "qwen3.jinja")
 
 pytestmark = pytest.mark.e2e
-
-NO_P_CACHE = (("--no-prefix-caching",),)
-"""P recomputes what it does not read from D: what the pull covers is all P skips."""
 
 CALL = {"name": "read_file", "arguments": {"path": "src/app.py"}}
 SCRIPTS: list[dict[str, Any]] = [
@@ -203,12 +200,7 @@ def test_without_identity_the_same_client_drifts(tmp_path: Any) -> None:
 def test_streams_re_streamed_from_vllm_032_keep_identity(tmp_path: Any) -> None:
     """D without the handle on streams: the router reads D whole and re-streams it; the
     message it keeps is the non-streamed answer's."""
-    with stack(
-        tmp_path,
-        p_args=NO_P_CACHE,
-        d_args=(("--compat", "0.32"),),
-        backend={"handle_on_stream": False},
-    ) as s:
+    with vllm_032_stack(tmp_path) as s:
         chat = PlainChat(s.router.url, "vllm-032")
         try:
             turns = _four_turns(chat, (True, True, True, True))

@@ -11,13 +11,12 @@ import anthropic
 import httpx
 import pytest
 
-from tests._support.stack import stack, start_router
+from tests._support.stack import NO_P_CACHE, stack, start_router
 from tests._support.templates import TEMPLATES_DIR
 
 pytestmark = pytest.mark.e2e
 
 MODEL = "agentkv-sim"
-NO_P_CACHE = (("--no-prefix-caching",),)
 SYSTEM = [
     {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.332; cc_entrypoint=cli;"},
     {

@@ -13,9 +13,9 @@ import httpx
 import orjson
 import pytest
 
-from tests._support.agents import LONG, NO_P_CACHE, SYSTEM, TOOLS, agent_turns, client
+from tests._support.agents import LONG, SYSTEM, TOOLS, agent_turns, client
 from tests._support.redis_server import _start, start_redis
-from tests._support.stack import MODEL, exact, held_after, ids_of, stack
+from tests._support.stack import MODEL, NO_P_CACHE, exact, held_after, ids_of, stack
 
 pytestmark = pytest.mark.e2e
 

@@ -9,8 +9,17 @@ import httpx
 import pytest
 
 from agentkv.sim.launch import free_port, start_sims
-from tests._support.agents import LONG, NO_P_CACHE
-from tests._support.stack import MODEL, Stack, exact, held_after, ids_of, stack, start_router
+from tests._support.agents import LONG
+from tests._support.stack import (
+    MODEL,
+    NO_P_CACHE,
+    Stack,
+    exact,
+    held_after,
+    ids_of,
+    stack,
+    start_router,
+)
 
 pytestmark = pytest.mark.e2e
 

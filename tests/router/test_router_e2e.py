@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 import agentkv
-from tests._support.agents import NO_P_CACHE, SYSTEM, client
-from tests._support.stack import stack
+from tests._support.agents import SYSTEM, client
+from tests._support.stack import NO_P_CACHE, stack, vllm_032_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -81,12 +81,7 @@ def test_expired_read_on_vllm_032_is_retried_without_the_handle(tmp_path):
 
 
 def test_vllm_032_streams_keep_reuse_with_buffered_decode(tmp_path):
-    with stack(
-        tmp_path,
-        p_args=NO_P_CACHE,
-        d_args=(("--compat", "0.32"),),
-        backend={"handle_on_stream": False},
-    ) as s:
+    with vllm_032_stack(tmp_path) as s:
         with client(s) as c:
             conv = c.conversation(model="agentkv-sim", system=SYSTEM)
             for i in range(3):

@@ -17,7 +17,7 @@ import pytest
 
 from agentkv.router.tenancy import derived_salt
 from agentkv.sim.launch import free_port, start_sims
-from tests._support.stack import MODEL, Stack, chat_as, exact, stack, start_router
+from tests._support.stack import MODEL, NO_P_CACHE, Stack, chat_as, exact, stack, start_router
 
 pytestmark = pytest.mark.e2e
 
@@ -158,7 +158,6 @@ def test_an_unset_salt_secret_is_generated_kept_and_announced(probed):
 
 
 # -- item 7: one tenant's conversations never evict another's, by default ------------------------
-NO_P_CACHE = (("--no-prefix-caching",),)
 
 
 def ids_of(s: Stack, text: str) -> list[int]:
