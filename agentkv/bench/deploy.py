@@ -40,7 +40,7 @@ class Stack:
     base_url: str
     """The verified router's OpenAI base URL (``…/v1``)."""
     unverified_url: str | None
-    """A router with ``reuse_policy = "unverified"`` on the same engines, when started."""
+    """A router with ``paths.reuse_policy = "unverified"`` on the same engines, when started."""
     prefill_urls: tuple[str, ...]
     decode_urls: tuple[str, ...]
     model: str

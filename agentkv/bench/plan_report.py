@@ -101,7 +101,7 @@ class PlanReport:
         return (
             f"recommend: decoder_kv_blocks_ttl = {p.ttl_s:g} (captures "
             f"{chosen.captured_pct:.1f}% of the reusable tokens, ≥ {p.target:.0%} of the best on "
-            f"the grid); router TTL = {p.router_ttl_s:g} s (ttl_margin_s = "
+            f"the grid); router TTL = {p.router_ttl_s:g} s (retention.ttl_margin_s = "
             f"{p.ttl_s - p.router_ttl_s:g}); kv_recompute_threshold = {p.threshold} "
             + (
                 f"(reading fewer tokens is slower than recomputing them with {self.source})"

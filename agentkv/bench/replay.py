@@ -11,7 +11,7 @@ wrong-KV tokens), which the router forwards, are read with an ``httpx`` response
 Policies:
 
 * ``agentkv``: one conversation id and epoch per session, verified reuse (agentkv's router);
-* ``unverified``: the same requests to a router with ``reuse_policy = "unverified"`` (vLLM's
+* ``unverified``: the same requests to a router with ``paths.reuse_policy = "unverified"`` (vLLM's
   example proxy: the conversation's handle is attached whatever the prompt);
 * ``none``: no reuse, the published baseline: a fresh conversation id every turn, released
   right after the turn (``close()``), so nothing is read back and D holds nothing between turns;

@@ -150,7 +150,7 @@ def _describe(s: Stack, preset: str | None, costs: str | None) -> dict[str, obje
         "kv_recompute_threshold": s.kv_recompute_threshold,
         "chat template": "plain ChatML (agentkv/bench/chatml.jinja), thinking off",
         "token identity TTL": f"{s.identity_ttl_real_s / s.time_scale:,.0f} s (router's "
-        f"identity_ttl_s; real: {s.identity_ttl_real_s:g} s)",
+        f"identity.ttl_s; real: {s.identity_ttl_real_s:g} s)",
         "router_ttl_real_s": s.router_ttl_s * s.time_scale,
         "decoder_ttl_real_s": s.decoder_ttl_real_s,
     }

@@ -19,7 +19,7 @@ bench_app = group(
 _ENDPOINT = "agentkv router's OpenAI base URL (…/v1) of a running deployment."
 _LOCAL = "Start this profile (name or TOML) for the run [default: local]."
 _COMPARE = "Also run no reuse and unverified reuse on the same engines."
-_UNVERIFIED_ENDPOINT = "With --endpoint --compare: a router with reuse_policy=unverified."
+_UNVERIFIED_ENDPOINT = "With --endpoint --compare: a router with paths.reuse_policy=unverified."
 _MAX_TURNS = "Replay at most this many turns per session."
 _MAX_CONTEXT = "Skip sessions whose scaled prompts exceed this many tokens."
 _TOKEN_SCALE = "Multiply hashed traces' token counts (e.g. 0.0625)."
@@ -31,7 +31,7 @@ _LEASES = "Also run agentkv with retention leases (a D with a long TTL)."
 _UI_IDLE_S = "--leases: the UI idle timeout of user waits, trace seconds."
 _MAX_HOLD_S = "--leases: D's TTL (the longest hold), trace seconds."
 _PATHS = (
-    "--local: the routers' paths policy: choose (the cost model), pull (always through P) or "
+    "--local: the routers' paths.mode: choose (the cost model), pull (always through P) or "
     "decode (in place on D whenever its budget allows)."
 )
 _LEASE_ENDPOINT = "--endpoint --leases: a router before a D with a --max-hold-s TTL."
@@ -101,7 +101,9 @@ def bench_replay(
         typer.echo(f"agentkv bench replay: unknown --paths {paths!r}", err=True)
         raise typer.Exit(2)
     if paths is not None and endpoint:
-        typer.echo("agentkv bench replay: --paths needs --local (set the router's paths)", err=True)
+        typer.echo(
+            "agentkv bench replay: --paths needs --local (set the router's paths.mode)", err=True
+        )
         raise typer.Exit(2)
     if token_scale <= 0 or time_scale <= 0:
         typer.echo("agentkv bench replay: scales must be positive", err=True)

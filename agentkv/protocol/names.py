@@ -95,7 +95,7 @@ it) or ``rendered:<reason>``
 (the client's messages rendered as sent; reasons in ``agentkv.router.identity.REASONS``)."""
 HEADER_PATH_ESTIMATE_MS: Final = "X-AgentKV-Path-Estimate-Ms"
 """The cost model's estimated time to first token of the path the turn took (set only when the
-cost model chose it: config ``paths``, a verified handle)."""
+cost model chose it: config ``paths.mode``, a verified handle)."""
 HEADER_RUNNER_UP: Final = "X-AgentKV-Runner-Up"
 """The path the cost model ranked next (``pull``, ``decode``, ``local``, ``recompute``,
 ``cpu``)."""

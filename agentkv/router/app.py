@@ -5,12 +5,12 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/mess
 ``POST /v1/responses`` (with ``GET`` and ``DELETE /v1/responses/{id}``:
 :mod:`agentkv.router.responses`), ``POST /tokenize``,
 ``POST /detokenize``, ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (on
-``metrics_port`` instead when one is configured), ``DELETE /v1/conversations/{id}``,
+``http.metrics_port`` instead when one is configured), ``DELETE /v1/conversations/{id}``,
 ``POST /v1/conversations/{id}/lease``, ``POST /v1/conversations/leases`` (a conversation id may
 contain ``/``). Unknown paths and methods are answered in OpenAI's error shape (404, 405).
 
 With tenants configured every route but ``/health`` needs a tenant's key, ``/metrics`` an admin
-key (``admin_api_keys``); ``/health`` shows engine addresses only to an admin key (or when
+key (``tenancy.admin_api_keys``); ``/health`` shows engine addresses only to an admin key (or when
 neither tenants nor admin keys are configured).
 """
 
@@ -299,7 +299,8 @@ def create_app(
 
     async def renew(tenant: str, conversations: list[str], seconds: float) -> list[dict[str, Any]]:
         """Lease items: ``lease_s`` granted, or an ``error`` (404: no stored KV; 429: the
-        tenant's ``max_leases_per_tenant``) for a conversation whose lease was not renewed."""
+        tenant's ``retention.max_leases_per_tenant``) for a conversation whose lease was not
+        renewed."""
         try:
             granted, refusals = await router.retention.renew_held(tenant, conversations, seconds)
         except LeasesUnavailable as exc:
@@ -369,9 +370,9 @@ class EvictionReport:
         if last is None or now - last >= self._every_s:
             self._last[(tenant, bound)] = now
             what = (
-                "its bound (store_max_entries_per_tenant)"
+                "its bound (store.max_entries_per_tenant)"
                 if bound == "tenant"
-                else "the largest share of a full store (store_max_entries)"
+                else "the largest share of a full store (store.max_entries)"
             )
             log.warning(
                 "tenant %s holds %s: its oldest handles are evicted (and released)",

@@ -94,7 +94,7 @@ class Tenant(BaseModel):
     api_keys: list[str] = Field(min_length=1)
     cache_salt: str | None = None
     """This tenant's prefix-cache namespace, used as it is (tenants with the same salt share
-    prefix cache). Unset: derived from the name and ``salt_secret``."""
+    prefix cache). Unset: derived from the name and ``tenancy.salt_secret``."""
     share_prefix_cache: bool = False
     """True: no salt, this tenant shares the engines' unsalted prefix cache (with the other
     tenants that share and with clients of the engines that bypass the router); a ``cache_salt``

@@ -30,7 +30,7 @@ avoids this in exact mode; the router does the same for every client:
 The receipt says which (:data:`~agentkv.protocol.HEADER_IDENTITY`: ``kept``, ``kept-prefix`` or
 ``rendered:<reason>``, :data:`REASONS`). Entries are bounded (tokens per conversation, and in
 memory tokens in all, least recently used first; :data:`MAX_MARKS` marks each), expire
-``identity_ttl_s`` after the conversation's last turn (never before the router TTL: they outlive
+``identity.ttl_s`` after the conversation's last turn (never before the router TTL: they outlive
 D's KV, so a turn after a long pause is recomputed but keeps the answers' ids), are dropped when
 the conversation is closed, and with a Redis store live in the same Redis so replicas share
 them.
@@ -131,7 +131,7 @@ request options the probes do not cover (``add_generation_prompt: false``,
 ``continue_final_message``, ``add_special_tokens``, nothing after the answer); the template
 does not let new messages render on their own (or refused a probe: a 4xx); the probes'
 ``/tokenize`` failed otherwise (the engine); no
-conversation id; the client sent its own ids; ``keep_token_identity`` off."""
+conversation id; the client sent its own ids; ``identity.keep`` off."""
 
 Ask = Callable[[str, dict[str, Any]], Awaitable[Any]]
 """``ask(path, body)``: the tokenizing engine's JSON answer to a POST (raises on failure)."""

@@ -104,7 +104,7 @@ class RouterMetrics:
         Counter,
         R.STORE_EVICTIONS,
         "Handles evicted (and released) because a bound was reached, by tenant and bound "
-        "(tenant: its store_max_entries_per_tenant; store: the memory store's store_max_entries).",
+        "(tenant: its store.max_entries_per_tenant; store: the memory store's store.max_entries).",
         ("tenant", "bound"),
     )
     healthy = Family(Gauge, R.ENGINE_HEALTHY, "1 when the engine is in rotation.", ("role", "url"))

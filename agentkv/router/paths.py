@@ -23,7 +23,8 @@ decode step over the prompt):
   CPU tier first.
 
 A vLLM engine always computes at least the last prompt token, so every cached count is capped at
-``N − 1``; a read back of fewer than ``kv_recompute_threshold`` tokens is not one (P recomputes).
+``N − 1``; a read back of fewer than ``upstream.kv_recompute_threshold`` tokens is not one
+(P recomputes).
 
 Load: a prefill waits for the prompt tokens its engine is already prefilling (one GPU's compute),
 so a P path adds ``qP × P's per-token prefill`` (``qP``: the prompt tokens queued on P) and a
@@ -39,7 +40,7 @@ prefill runs. They are allowed only when the new tokens are at most ``budget.max
 D's prompt tokens in flight, these included, stay within ``budget.tokens_in_flight``.
 
 The router's turn core (:mod:`agentkv.router.turn`) calls :func:`choose` on every turn with a
-verified handle (config ``paths``); :class:`InFlight` is its per-D count of tokens in flight.
+verified handle (config ``paths.mode``); :class:`InFlight` is its per-D count of tokens in flight.
 """
 
 from __future__ import annotations
@@ -172,9 +173,9 @@ def load_curves(path: str | None) -> Curves:
     try:
         data = json.loads(FilePath(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"path_costs {path!r}: {exc}") from None
+        raise ValueError(f"paths.costs {path!r}: {exc}") from None
     if not isinstance(data, Mapping):
-        raise ValueError(f"path_costs {path!r}: not a JSON object")
+        raise ValueError(f"paths.costs {path!r}: not a JSON object")
     return curves_from(data)
 
 
@@ -215,7 +216,7 @@ class TurnState:
     count of what the least loaded P computes for its requests in flight: each prompt less what
     it reads back)."""
     recompute_threshold: int = 64
-    """P's ``kv_recompute_threshold``: a smaller read back is not made."""
+    """P's ``upstream.kv_recompute_threshold``: a smaller read back is not made."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -294,7 +295,7 @@ def estimate(state: TurnState, curves: Curves) -> tuple[dict[Path, Estimate], di
     elif read <= 0:
         why["pull"] = "P's cache covers the handle"
     elif state.recompute_threshold > 0 and read < state.recompute_threshold:
-        why["pull"] = "below kv_recompute_threshold"
+        why["pull"] = "below upstream.kv_recompute_threshold"
     else:
         p_turn("pull", read, h)
 

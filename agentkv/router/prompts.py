@@ -1,6 +1,6 @@
 """A turn's prompt as ids when the router has none kept: the client's own ids (exact mode, a
 completions prompt of ids), or a tokenizing instance's ``/tokenize`` of the same messages and
-template arguments (P's by default: ``tokenize_with``)."""
+template arguments (P's by default: ``upstream.tokenize_with``)."""
 
 from __future__ import annotations
 
@@ -56,8 +56,8 @@ class Tokenizer:
         return ids
 
     async def ask(self, path: str, body: dict[str, Any]) -> Any:
-        """The JSON answer of a tokenizing instance (``tokenize_with``) to ``POST path``, tried
-        on ``retries`` more when one fails; its 4xx is the client's error."""
+        """The JSON answer of a tokenizing instance (``upstream.tokenize_with``) to ``POST path``,
+        tried on ``upstream.retries`` more when one fails; its 4xx is the client's error."""
         engines = (
             self.pool.prefill
             if self.config.upstream.tokenize_with == "prefill"

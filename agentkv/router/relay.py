@@ -47,8 +47,8 @@ class StreamOutcome:
 
 
 class Relay:
-    """The reader tasks of one router (``max_drains`` streams read on after their client left,
-    each for at most ``drain_timeout_s``)."""
+    """The reader tasks of one router (``upstream.max_drains`` streams read on after their client
+    left, each for at most ``upstream.drain_timeout_s``)."""
 
     def __init__(self, *, drain_timeout_s: float, max_drains: int) -> None:
         self.drain_timeout_s, self.max_drains = drain_timeout_s, max_drains

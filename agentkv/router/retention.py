@@ -3,13 +3,14 @@
 With leases, D can run with a long ``decoder_kv_blocks_ttl`` (1800–3600 s): the router, not D's
 timer, decides when retained blocks go. Two background loops:
 
-- **Leases**: every ``lease_check_interval_s`` the conversations whose lease lapsed lose their
-  handles, released at once (notify-only): batch after batch, round-robin across tenants, until
-  none is left or the check has run for ``lease_check_interval_s`` (the next check goes on).
-- **Pressure**: every ``health_interval_s`` the router reads each D's KV-cache usage
-  (``vllm:kv_cache_usage_perc`` on its ``/metrics``); above ``kv_pressure_watermark`` it releases
-  that D's oldest stored handles, a tenth of them per check (at least one), so retention never
-  starves running requests.
+- **Leases**: every ``retention.lease_check_interval_s`` the conversations whose lease lapsed
+  lose their handles, released at once (notify-only): batch after batch, round-robin across
+  tenants, until none is left or the check has run for ``retention.lease_check_interval_s``
+  (the next check goes on).
+- **Pressure**: every ``upstream.health_interval_s`` the router reads each D's KV-cache usage
+  (``vllm:kv_cache_usage_perc`` on its ``/metrics``); above ``retention.kv_pressure_watermark``
+  it releases that D's oldest stored handles, a tenth of them per check (at least one), so
+  retention never starves running requests.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ class Retention:
     async def renew(self, key: StoreKey, seconds: float) -> float:
         """A turn's ``X-AgentKV-Lease``: start or renew the conversation's lease (the turn makes
         its handle), capped at the router's TTL; the seconds granted (0 when the tenant is at
-        ``max_leases_per_tenant``: the turn is served, its KV keeps D's TTL)."""
+        ``retention.max_leases_per_tenant``: the turn is served, its KV keeps D's TTL)."""
         granted = min(seconds, self.config.router_ttl_s)
         try:
             [ok] = await self.leases.renew(
@@ -114,7 +115,7 @@ class Retention:
         """A lease call: renew the leases of those of ``conversations`` that have a stored
         handle; the seconds granted and, per conversation, None (renewed) or why not: 404 (no
         stored handle: nothing to hold; a lease it holds is not extended and lapses on its own)
-        or 429 (a new lease past ``max_leases_per_tenant``).
+        or 429 (a new lease past ``retention.max_leases_per_tenant``).
 
         Raises :class:`LeasesUnavailable` when the handle store or the lease store fails."""
         granted = min(seconds, self.config.router_ttl_s)
@@ -147,7 +148,7 @@ class Retention:
                     Refused(
                         429,
                         f"This tenant holds {limit} leases "
-                        "(max_leases_per_tenant): close conversations or let leases "
+                        "(retention.max_leases_per_tenant): close conversations or let leases "
                         "lapse before leasing more.",
                     )
                 )
@@ -162,7 +163,7 @@ class Retention:
     async def reap_leases(self, budget_s: float | None = None) -> int:
         """Release the handles of the conversations whose lease lapsed, batch after batch
         (round-robin across tenants, yielding between batches) until none is left or
-        ``budget_s`` (default ``lease_check_interval_s``) has passed; how many handles."""
+        ``budget_s`` (default ``retention.lease_check_interval_s``) has passed; how many handles."""
         budget = self.config.retention.lease_check_interval_s if budget_s is None else budget_s
         deadline = time.monotonic() + budget
         released = lapsed = 0

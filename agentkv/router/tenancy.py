@@ -9,7 +9,7 @@ key's digest does not bring the guess closer to the key). So the lookup is const
 keys' content, for tenant and admin keys alike, and costs the same with 3 keys or 30 000.
 
 **Namespaces.** A tenant's salt is its configured ``cache_salt`` or ``akv-`` + HMAC-SHA256 of its
-name under ``salt_secret``; neither can contain ``:``. What reaches the engines
+name under ``tenancy.salt_secret``; neither can contain ``:``. What reaches the engines
 (:func:`effective_salt`):
 
 - a salted tenant: its salt, or ``<salt>:<client cache_salt>``;
@@ -19,7 +19,7 @@ name under ``salt_secret``; neither can contain ``:``. What reaches the engines
   namespace or any other tenant's configured salt;
 - no tenants configured (one anonymous tenant): the client's ``cache_salt`` as sent.
 
-**The secret.** With tenants whose salt is derived and no ``salt_secret`` (nor
+**The secret.** With tenants whose salt is derived and no ``tenancy.salt_secret`` (nor
 ``AGENTKV_SALT_SECRET``), a random secret is generated once and kept, mode 0600, in
 ``salt_secret`` under the user's state directory (platformdirs: ``$XDG_STATE_HOME/agentkv`` on
 Linux), so restarts and router replicas on the same host derive the same salts. Replicas on
@@ -132,7 +132,8 @@ class KeyTable:
 
 
 def secret_path() -> Path:
-    """Where a generated ``salt_secret`` is kept: ``salt_secret`` in the user's state directory."""
+    """Where a generated ``tenancy.salt_secret`` is kept: the file ``salt_secret`` in the user's
+    state directory."""
     import platformdirs
 
     return Path(platformdirs.user_state_dir("agentkv", appauthor=False)) / "salt_secret"
@@ -160,7 +161,7 @@ def kept_secret(path: Path) -> str:
     if len(secret) < _MIN_KEPT_SECRET:
         raise ValueError(
             f"{path} holds no usable salt secret (fewer than {_MIN_KEPT_SECRET} characters): "
-            "delete it to have a new one generated, or set salt_secret"
+            "delete it to have a new one generated, or set tenancy.salt_secret"
         )
     return secret
 
@@ -169,7 +170,7 @@ class Tenancy:
     """The configured tenants' and admins' keys, each tenant's namespace computed once.
 
     ``secret_file``: where to keep a generated secret (default :func:`secret_path`); read only
-    when some tenant's salt is derived and ``salt_secret`` is unset. Raises ``OSError`` or
+    when some tenant's salt is derived and ``tenancy.salt_secret`` is unset. Raises ``OSError`` or
     ``ValueError`` (at start-up) when that file cannot be made or read."""
 
     def __init__(self, config: RouterConfig, *, secret_file: Path | None = None) -> None:
@@ -182,10 +183,10 @@ class Tenancy:
             path = secret_file or secret_path()
             secret = kept_secret(path)
             log.warning(
-                "salt_secret is not set: tenant salts are derived from the secret kept in %s "
-                "(the same for every restart and router on this host). Router replicas on "
-                "other hosts need the same secret: set salt_secret (or AGENTKV_SALT_SECRET) "
-                "on all of them",
+                "tenancy.salt_secret is not set: tenant salts are derived from the secret kept "
+                "in %s (the same for every restart and router on this host). Router replicas on "
+                "other hosts need the same secret: set tenancy.salt_secret (or "
+                "AGENTKV_SALT_SECRET) on all of them",
                 path,
             )
         entries: list[tuple[str, Caller]] = []
@@ -217,6 +218,6 @@ class Tenancy:
         return caller
 
     def is_admin(self, authorization: str | None) -> bool:
-        """Whether the header carries one of ``admin_api_keys``."""
+        """Whether the header carries one of ``tenancy.admin_api_keys``."""
         caller = self.caller(authorization)
         return caller is not None and caller.admin

@@ -1,8 +1,8 @@
 """The engines behind the router: one HTTP client each, health, load, and placement policies.
 
-* Health: an active check (``GET /health`` every ``health_interval_s``) and passive ejection
-  (``eject_after_failures`` consecutive failed requests take an instance out until its check
-  passes again).
+* Health: an active check (``GET /health`` every ``upstream.health_interval_s``) and passive
+  ejection (``upstream.eject_after_failures`` consecutive failed requests take an instance out
+  until its check passes again).
 * Load: prompt tokens in flight per P, requests in flight per D.
 * Placement (small composable functions): P by conversation affinity (rendezvous hashing over
   healthy instances) that yields to the least-loaded P when the preferred one is over its cap;
@@ -328,7 +328,7 @@ async def release(
     pool: EnginePool, handle: StoredHandle, config: RouterConfig, *, on_error: Callable[[], None]
 ) -> bool:
     """Tell D to free a handle's blocks now: a notify-only P request, tried like a turn's P
-    request (``retries`` more times), so one failing P does not leave D pinning the blocks
+    request (``upstream.retries`` more times), so one failing P does not leave D pinning the blocks
     until its TTL. Whether a P took the notify (``on_error`` is called for each failure)."""
     params = KVTransferParams.model_validate(handle.params).for_reading().release_only()
     body = {

@@ -2,7 +2,7 @@
 
 A profile lays its ports out per group (``[prefill] base_port``, ``[decode] base_port``, the
 NIXL side channels, P's KV-event ports; instance i of a group uses ``base + i``) and the router
-on ``[router] port``. ``with_ports`` moves them without a TOML file:
+on ``[router.http] port``. ``with_ports`` moves them without a TOML file:
 
 * ``port``: the router's port (the OpenAI base URL ``http://HOST:PORT/v1``);
 * ``base_port``: every engine port, consecutively from ``base_port``: the prefill instances'

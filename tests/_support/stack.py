@@ -54,9 +54,11 @@ class Stack:
         """A router configuration over these engines (``backend``: more of each one's settings),
         16-token blocks."""
         return {
-            "prefill": [{"url": p.url, **(backend or {})} for p in self.prefill],
-            "decode": [{"url": d.url, **(backend or {})} for d in self.decode],
-            "block_size": 16,
+            "upstream": {
+                "prefill": [{"url": p.url, **(backend or {})} for p in self.prefill],
+                "decode": [{"url": d.url, **(backend or {})} for d in self.decode],
+                "block_size": 16,
+            }
         }
 
     def metrics(self, sim: SimProcess) -> dict[str, float]:

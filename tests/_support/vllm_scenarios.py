@@ -136,7 +136,7 @@ class Stack:
 
 
 def router_on(real: Stack, tmp: Path, **options: object) -> Iterator[str]:
-    """A second router on the real engines (cpu-tiny's settings, plus ``options``)."""
+    """A second router on the real engines (cpu-tiny's settings, plus ``options``: groups)."""
     config = dict(
         expand(
             load_profile(

@@ -353,17 +353,17 @@ def chaos(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chaos]:
         sims = start_sims([p_argv, *[["--role", "decode", *SIM_COMMON]] * 2])
         s = Stack(sims[:1], sims[1:])
         router = {
-            "prefill": [{"url": s.prefill[0].url, "kv_events": events}],
-            "decode": [{"url": d.url} for d in s.decode],
-            "block_size": BS,
-            "store": f"redis://127.0.0.1:{port}/0",
-            "store_open_s": 0.5,
-            "retries": RETRIES,
-            "max_body_bytes": MAX_BODY,
-            "decode_first_byte_timeout_s": 10.0,
-            "prefill_deadline_s": 20.0,
-            "tenants": TENANTS,
-            "admin_api_keys": [ADMIN],
+            "upstream": {
+                "prefill": [{"url": s.prefill[0].url, "kv_events": events}],
+                "decode": [{"url": d.url} for d in s.decode],
+                "block_size": BS,
+                "retries": RETRIES,
+                "decode_first_byte_timeout_s": 10.0,
+                "prefill_deadline_s": 20.0,
+            },
+            "store": {"backend": f"redis://127.0.0.1:{port}/0", "open_s": 0.5},
+            "http": {"max_body_bytes": MAX_BODY},
+            "tenancy": {"tenants": TENANTS, "admin_api_keys": [ADMIN]},
         }
         try:
             s.routers.append(start_router(router, tmp))

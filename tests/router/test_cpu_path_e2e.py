@@ -60,12 +60,13 @@ def deployment(tmp_path: Path) -> Iterator[Stack]:
     s = Stack([p], [d])
     try:
         config = {
-            "prefill": [{"url": p.url}],
-            "decode": [{"url": d.url, "kv_events": events}],
-            "block_size": BS,
-            "decoder_kv_blocks_ttl_s": TTL_S,
-            "ttl_margin_s": TTL_S / 2,
-            "paths": "choose",
+            "upstream": {
+                "prefill": [{"url": p.url}],
+                "decode": [{"url": d.url, "kv_events": events}],
+                "block_size": BS,
+            },
+            "retention": {"decoder_kv_blocks_ttl_s": TTL_S, "ttl_margin_s": TTL_S / 2},
+            "paths": {"mode": "choose"},
         }
         s.routers.append(start_router(config, tmp_path, log_level="info"))
         until(lambda: in_sync(s), "the router's index of D's CPU tier is in sync")

@@ -35,9 +35,9 @@ def edge(tmp_path_factory):
     uvicorn's httptools (the default when installed) and on its h11."""
     tmp = tmp_path_factory.mktemp("edge")
     with stack(tmp, routers=0) as s:
-        config = {**s.router_config(), "tenants": [{"name": "t", "api_keys": [KEY]}]}
+        config = {**s.router_config(), "tenancy": {"tenants": [{"name": "t", "api_keys": [KEY]}]}}
         s.routers.append(start_router(config, tmp))
-        s.routers.append(start_router({**config, "http_parser": "h11"}, tmp))
+        s.routers.append(start_router({**config, "http": {"parser": "h11"}}, tmp))
         yield s
 
 
@@ -247,15 +247,17 @@ def test_health_says_starting_until_the_engines_answer(tmp_path):
     """The router first, its engines a while later: 503 "starting", then 200 and a turn works."""
     ports = [free_port(), free_port()]
     config = {
-        "prefill": [{"url": f"http://127.0.0.1:{ports[0]}"}],
-        "decode": [{"url": f"http://127.0.0.1:{ports[1]}"}],
-        "block_size": 16,
-        "health_interval_s": 0.2,
+        "upstream": {
+            "prefill": [{"url": f"http://127.0.0.1:{ports[0]}"}],
+            "decode": [{"url": f"http://127.0.0.1:{ports[1]}"}],
+            "block_size": 16,
+            "health_interval_s": 0.2,
+        }
     }
 
     def argv(port: int) -> list[str]:
         path = tmp_path / "router.json"
-        path.write_text(orjson.dumps({**config, "port": port}).decode())
+        path.write_text(orjson.dumps({**config, "http": {"port": port}}).decode())
         return [sys.executable, "-m", "agentkv", "router", "--config", str(path)]
 
     def answers(p: procs.Process) -> bool:

@@ -49,7 +49,7 @@ def test_a_d_restarted_on_its_port_never_serves_its_predecessors_handles(tmp_pat
     handles; the conversations go on and pull again from the new D."""
     compat = (("--compat", "0.32"),)
     # restarted before the router ejects it (an ejection drops a D's handles anyway)
-    router = {"eject_after_failures": 1000}
+    router = {"upstream": {"eject_after_failures": 1000}}
     with stack(tmp_path, p_args=compat, d_args=compat, router=router) as s:
         convs = {f"restart-{i}": _ids(i, 300 + 16 * i) for i in range(6)}
         for conv, ids in convs.items():
@@ -153,7 +153,7 @@ def _streamed_text(r: httpx.Response) -> str:
 
 
 def test_a_p_that_hangs_while_passing_health_checks_does_not_hold_a_turn(tmp_path: Path) -> None:
-    router = {"prefill_deadline_s": 1.5, "prefill_deadline_per_1k_tokens_s": 0}
+    router = {"upstream": {"prefill_deadline_s": 1.5, "prefill_deadline_per_1k_s": 0}}
     with stack(tmp_path, p_args=((), ()), router=router) as s:
         _wait_healthy(s)
         for p in s.prefill:  # whichever P the conversation prefers: both hang, then one recovers
@@ -168,7 +168,7 @@ def test_a_p_that_hangs_while_passing_health_checks_does_not_hold_a_turn(tmp_pat
 
 
 def test_a_d_that_never_answers_a_non_streamed_turn_is_passed_over(tmp_path: Path) -> None:
-    router = {"decode_first_byte_timeout_s": 1.0, "decode_token_timeout_s": 0.01}
+    router = {"upstream": {"decode_first_byte_timeout_s": 1.0, "decode_token_timeout_s": 0.01}}
     with stack(tmp_path, d_args=((), ()), router=router) as s:
         _wait_healthy(s)
         httpx.post(f"{s.decode[0].url}/_sim/faults", json={"delay_s": 60}, timeout=10)

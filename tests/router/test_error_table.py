@@ -82,7 +82,7 @@ class BuggyStore(MemoryStore):
 
 @pytest.fixture
 async def st(anyio_backend: str) -> AsyncIterator[InProcessStack]:
-    async with inprocess_stack(router={"max_body_bytes": 4000}) as stack:
+    async with inprocess_stack(router={"http": {"max_body_bytes": 4000}}) as stack:
         yield stack
 
 

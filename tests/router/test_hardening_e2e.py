@@ -60,7 +60,9 @@ def plain(tmp_path_factory):
     """No tenants, one admin key: the anonymous deployment, text logs at INFO."""
     tmp = tmp_path_factory.mktemp("plain")
     with stack(tmp, routers=0) as s:
-        s.routers.append(start_router({**s.router_config(), "admin_api_keys": [ADMIN]}, tmp))
+        s.routers.append(
+            start_router({**s.router_config(), "tenancy": {"admin_api_keys": [ADMIN]}}, tmp)
+        )
         yield s
 
 
@@ -73,10 +75,12 @@ def tenants(tmp_path_factory):
     with stack(tmp, routers=0) as s:
         cfg = {
             **s.router_config(),
-            "tenants": TENANTS,
-            "admin_api_keys": [ADMIN],
-            "salt_secret": "test-secret",
-            "metrics_port": metrics_port,
+            "tenancy": {
+                "tenants": TENANTS,
+                "admin_api_keys": [ADMIN],
+                "salt_secret": "test-secret",
+            },
+            "http": {"metrics_port": metrics_port},
         }
         s.routers.append(start_router(cfg, tmp, args=("--log-format", "json")))
         s.metrics_port = metrics_port  # type: ignore[attr-defined]
@@ -280,7 +284,9 @@ def test_absurd_token_ids_and_epochs_are_400_and_the_handle_stays(plain):
 
 def test_absurd_epoch_with_the_redis_store(tmp_path, redis_url):
     with stack(tmp_path, routers=0) as s:
-        s.routers.append(start_router({**s.router_config(), "store": redis_url}, tmp_path))
+        s.routers.append(
+            start_router({**s.router_config(), "store": {"backend": redis_url}}, tmp_path)
+        )
         with agentkv.Client(base_url=f"{s.router.url}/v1", api_key="k") as c:
             conv = _one_turn(c, "hostile-ints-redis")
             answers = _bad_turns(s.router.url, conv.id)

@@ -183,9 +183,9 @@ def test_plain_clients_pull_prompt_and_answer_without_drift(pd: Stack, streams: 
 
 
 def test_without_identity_the_same_client_drifts(tmp_path: Any) -> None:
-    """The baseline: with ``keep_token_identity`` off the same client's pulls are trimmed as
+    """The baseline: with ``identity.keep`` off the same client's pulls are trimmed as
     drift (the answer re-renders differently under the template)."""
-    with stack(tmp_path, p_args=NO_P_CACHE, router={"keep_token_identity": False}) as s:
+    with stack(tmp_path, p_args=NO_P_CACHE, router={"identity": {"keep": False}}) as s:
         chat = PlainChat(s.router.url, "baseline")
         try:
             turns = _four_turns(chat, (False, True, False, True))
@@ -352,7 +352,9 @@ def test_a_closed_conversation_forgets_its_answers(pd: Stack) -> None:
 
 
 def test_two_replicas_share_identity_through_redis(tmp_path: Any, redis_url: str) -> None:
-    with stack(tmp_path, p_args=NO_P_CACHE, router={"store": redis_url}, routers=2) as s:
+    with stack(
+        tmp_path, p_args=NO_P_CACHE, router={"store": {"backend": redis_url}}, routers=2
+    ) as s:
         chats = [PlainChat(r.url, "shared-identity") for r in s.routers]
         turns = []
         try:

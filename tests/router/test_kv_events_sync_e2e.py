@@ -75,9 +75,11 @@ class Deployment:
         )
         self.stack = Stack([p], [d])
         self.config = {
-            "prefill": [{"url": p.url, "kv_events": events}],
-            "decode": [{"url": d.url}],
-            "block_size": BS,
+            "upstream": {
+                "prefill": [{"url": p.url, "kv_events": events}],
+                "decode": [{"url": d.url}],
+                "block_size": BS,
+            },
             **router,
         }
         self.start_router()
@@ -190,7 +192,7 @@ def test_a_restarted_router_claims_nothing_it_cannot_know(tmp_path, redis_url, r
     router's index starts empty: without a replay socket every later turn is an estimate (P
     holds the prefix, the index cannot know it); with one the index is rebuilt from P's buffer
     and the receipts state exactly what P did, pulls included."""
-    with deployment(tmp_path, replay=replay, router={"store": redis_url}) as d:
+    with deployment(tmp_path, replay=replay, router={"store": {"backend": redis_url}}) as d:
         conv = f"restart-{uuid.uuid4().hex[:8]}"
         before, ids = conversation(d, conv, opening(d), 3)
         assert all(t.honest for t in before), before

@@ -357,11 +357,9 @@ def e2e(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Stack,
 
         redis.Redis.from_url(store).flushdb()
     router = {
-        "tenants": TENANTS,
-        "admin_api_keys": [ADMIN],
-        "max_leases_per_tenant": 3,
-        "lease_check_interval_s": CHECK_S,
-        "store": store,
+        "tenancy": {"tenants": TENANTS, "admin_api_keys": [ADMIN]},
+        "retention": {"max_leases_per_tenant": 3, "lease_check_interval_s": CHECK_S},
+        "store": {"backend": store},
     }
     with stack(tmp_path, router=router) as s:
         yield s, store, unknown

@@ -56,7 +56,7 @@ def pd(tmp_path_factory):
     with stack(tmp, p_args=NO_P_CACHE) as s:
         cfg = {
             **s.router_config(),
-            "tenants": [{"name": "team-a", "api_keys": [TENANT_KEY]}],
+            "tenancy": {"tenants": [{"name": "team-a", "api_keys": [TENANT_KEY]}]},
         }
         s.routers.append(start_router(cfg, tmp))
         yield s

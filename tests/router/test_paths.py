@@ -241,7 +241,7 @@ def test_load_curves_reads_a_calibrate_cost_file(tmp_path) -> None:
     assert load_curves(None) == Curves()
     path.write_text("[1]")
     for bad in (str(path), str(tmp_path / "missing.json")):
-        with pytest.raises(ValueError, match="path_costs"):
+        with pytest.raises(ValueError, match=r"paths\.costs"):
             load_curves(bad)
 
 

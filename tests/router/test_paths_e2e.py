@@ -74,7 +74,9 @@ def test_few_new_tokens_decode_in_place_and_many_pull(tmp_path):
         d_args=((), ()),
         # a budget of 48 tokens in flight: the second decode-in-place turn runs only if the
         # first one's tokens were given back when its stream's first bytes came
-        router={"paths": "choose", "decode_max_new_tokens": 256, "decode_tokens_in_flight": 48},
+        router={
+            "paths": {"mode": "choose", "decode_max_new_tokens": 256, "decode_tokens_in_flight": 48}
+        },
     ) as s:
         p = s.prefill[0]
         url = s.router.url

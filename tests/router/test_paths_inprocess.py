@@ -47,7 +47,7 @@ async def first_turn(s: InProcessStack) -> tuple[list[int], Sim, Sim]:
 
 @pytest.fixture
 def stack_args() -> dict[str, Any]:
-    return {"d_args": ({}, {}), "router": {"paths": "choose"}}
+    return {"d_args": ({}, {}), "router": {"paths": {"mode": "choose"}}}
 
 
 async def test_d_refuses_the_turn_its_error_passes_and_the_handle_stays(stack_args) -> None:
@@ -91,7 +91,7 @@ async def test_d_unreachable_p_recomputes_for_the_other_d(stack_args) -> None:
 
 
 async def test_paths_pull_never_decodes_in_place() -> None:
-    async with inprocess_stack(d_args=({}, {}), router={"paths": "pull"}) as s:
+    async with inprocess_stack(d_args=({}, {}), router={"paths": {"mode": "pull"}}) as s:
         ids, decisions = list(FIRST), []
         for new in (0, 30, 5):
             ids = [*ids, *range(3000, 3000 + new)]
@@ -104,7 +104,7 @@ async def test_paths_pull_never_decodes_in_place() -> None:
 
 
 async def test_a_decode_turn_in_the_metrics_the_span_and_the_log(otel, caplog) -> None:
-    async with inprocess_stack(d_args=({}, {}), router={"paths": "choose"}) as s:
+    async with inprocess_stack(d_args=({}, {}), router={"paths": {"mode": "choose"}}) as s:
         ids, holder, _ = await first_turn(s)
         otel.spans.clear()
         with caplog.at_level(logging.INFO, logger="agentkv.router"):
@@ -127,7 +127,7 @@ async def test_a_decode_turn_in_the_metrics_the_span_and_the_log(otel, caplog) -
 
 
 async def test_a_d_restarted_under_a_decode_turn_is_not_sent_the_old_handle_s_release() -> None:
-    async with inprocess_stack(d_args=({}, {}), router={"paths": "choose"}) as s:
+    async with inprocess_stack(d_args=({}, {}), router={"paths": {"mode": "choose"}}) as s:
         ids, holder, _ = await first_turn(s)
         holder.state.config.engine_id = "restarted"  # D answers as another engine from now on
         before = s.metrics(s.prefill[0]).get("vllm:prompt_tokens_total", 0.0)

@@ -166,7 +166,7 @@ def test_a_stalled_d_is_passed_over_within_the_first_byte_deadline(tmp_path):
         tmp_path,
         p_args=NO_P_CACHE,
         d_args=((), ()),
-        router={"decode_first_byte_timeout_s": 2.0, "health_interval_s": 0.5},
+        router={"upstream": {"decode_first_byte_timeout_s": 2.0, "health_interval_s": 0.5}},
     ) as s:
         body = {
             "model": MODEL,
@@ -196,7 +196,8 @@ def test_redis_dying_under_traffic_costs_reuse_not_answers(tmp_path: Path):
     port = process.port
     url = f"redis://127.0.0.1:{port}/0"
     try:
-        with stack(tmp_path, p_args=NO_P_CACHE, router={"store": url, "store_open_s": 0.5}) as s:
+        router = {"store": {"backend": url, "open_s": 0.5}}
+        with stack(tmp_path, p_args=NO_P_CACHE, router=router) as s:
             ids = ids_of(s, LONG)
             statuses: list[int] = []
             for i in range(6):
@@ -227,7 +228,7 @@ def test_one_tenants_conversations_never_evict_another_tenants_handle(tmp_path):
         {"name": "quiet", "api_keys": ["key-quiet"]},
         {"name": "noisy", "api_keys": ["key-noisy"]},
     ]
-    router = {"tenants": tenants, "store_max_entries_per_tenant": 5}
+    router = {"tenancy": {"tenants": tenants}, "store": {"max_entries_per_tenant": 5}}
     with stack(tmp_path, p_args=NO_P_CACHE, router=router) as s:
         ids = ids_of(s, LONG)
 

@@ -61,7 +61,7 @@ def say(text: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with stack(tmp_path_factory.mktemp("responses"), router={"tenants": TENANTS}) as s:
+    with stack(tmp_path_factory.mktemp("responses"), router={"tenancy": {"tenants": TENANTS}}) as s:
         yield s
 
 
@@ -213,7 +213,7 @@ def test_previous_response_id_chain_redis(tmp_path: Path) -> None:
     (tmp_path / "redis").mkdir()
     with _start(binary, tmp_path / "redis") as server:
         url = f"redis://127.0.0.1:{server.port}/0"
-        with stack(tmp_path, router={"store": url}) as s:
+        with stack(tmp_path, router={"store": {"backend": url}}) as s:
             client = client_for(s, "anything")
             turns = chain(s, client)
             check_chain(s, turns)

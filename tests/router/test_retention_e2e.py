@@ -39,7 +39,7 @@ def test_a_lapsed_lease_frees_d_at_once_and_a_renewed_one_keeps_it(tmp_path):
         tmp_path,
         p_args=NO_P_CACHE,
         d_args=(("--decoder-kv-blocks-ttl", "3600"),),
-        router={"decoder_kv_blocks_ttl_s": 3600, "lease_check_interval_s": 0.2},
+        router={"retention": {"decoder_kv_blocks_ttl_s": 3600, "lease_check_interval_s": 0.2}},
     ) as s:
         ids = ids_of(s, LONG)
         lease = {"X-AgentKV-Lease": "4"}
@@ -85,10 +85,8 @@ def test_d_under_kv_pressure_releases_retained_blocks_instead_of_starving(tmp_pa
     # 96 blocks of 16 tokens; each conversation retains ~25 of them for an hour
     d_args = (("--num-blocks", "96", "--decoder-kv-blocks-ttl", "3600"),)
     router = {
-        "decoder_kv_blocks_ttl_s": 3600,
-        "kv_pressure_watermark": 0.5,
-        "health_interval_s": 0.2,
-        "request_timeout_s": 60,
+        "retention": {"decoder_kv_blocks_ttl_s": 3600, "kv_pressure_watermark": 0.5},
+        "upstream": {"health_interval_s": 0.2, "request_timeout_s": 60},
     }
     with stack(tmp_path, p_args=NO_P_CACHE, d_args=d_args, router=router) as s:
         statuses = []
@@ -122,9 +120,11 @@ def test_receipts_equal_what_p_read_with_its_prefix_cache_on(tmp_path):
     s = Stack(sims[:1], sims[1:])
     try:
         cfg = {
-            "prefill": [{"url": s.prefill[0].url, "kv_events": events}],
-            "decode": [{"url": s.decode[0].url}],
-            "block_size": 16,
+            "upstream": {
+                "prefill": [{"url": s.prefill[0].url, "kv_events": events}],
+                "decode": [{"url": s.decode[0].url}],
+                "block_size": 16,
+            }
         }
         s.routers.append(start_router(cfg, tmp_path))
         from tests._support.agents import SYSTEM, TOOLS, agent_turns, client
@@ -162,11 +162,13 @@ def test_the_p_with_the_longest_local_prefix_is_chosen(tmp_path):
     s = Stack(sims[:2], sims[2:])
     try:
         cfg = {
-            "prefill": [
-                {"url": p.url, "kv_events": e} for p, e in zip(s.prefill, events, strict=True)
-            ],
-            "decode": [{"url": s.decode[0].url}],
-            "block_size": 16,
+            "upstream": {
+                "prefill": [
+                    {"url": p.url, "kv_events": e} for p, e in zip(s.prefill, events, strict=True)
+                ],
+                "decode": [{"url": s.decode[0].url}],
+                "block_size": 16,
+            }
         }
         s.routers.append(start_router(cfg, tmp_path))
         time.sleep(0.5)

@@ -67,7 +67,10 @@ def test_expired_read_on_vllm_032_is_retried_without_the_handle(tmp_path):
         tmp_path,
         p_args=(("--no-prefix-caching", "--compat", "0.32"),),
         d_args=(("--decoder-kv-blocks-ttl", "5.5"),),
-        router={"decoder_kv_blocks_ttl_s": 60, "prefill_deadline_s": 1.5},
+        router={
+            "retention": {"decoder_kv_blocks_ttl_s": 60},
+            "upstream": {"prefill_deadline_s": 1.5},
+        },
     ) as s:
         with client(s) as c:
             conv = hello(c)
@@ -96,7 +99,7 @@ def test_killed_engines_degrade_to_recompute(tmp_path):
         tmp_path,
         p_args=NO_P_CACHE * 2,
         d_args=((), ()),
-        router={"eject_after_failures": 1, "retries": 2},
+        router={"upstream": {"eject_after_failures": 1, "retries": 2}},
     ) as s:
         with client(s) as c:
             convs = [c.conversation(model="agentkv-sim", system=SYSTEM) for _ in range(4)]
@@ -115,7 +118,9 @@ def test_killed_engines_degrade_to_recompute(tmp_path):
 
 
 def test_two_routers_share_handles_through_redis(tmp_path, redis_url):
-    with stack(tmp_path, p_args=NO_P_CACHE, router={"store": redis_url}, routers=2) as s:
+    with stack(
+        tmp_path, p_args=NO_P_CACHE, router={"store": {"backend": redis_url}}, routers=2
+    ) as s:
         clients = [agentkv.Client(base_url=f"{r.url}/v1", api_key="k") for r in s.routers]
         ledger_state = None
         decisions = []

@@ -148,7 +148,7 @@ async def test_unknown_model_is_passed_through(pd):
 
 async def test_tenants_never_share_a_conversation():
     tenants = [{"name": "a", "api_keys": ["key-a"]}, {"name": "b", "api_keys": ["key-b"]}]
-    async with inprocess_stack(p_args=NO_P_CACHE, router={"tenants": tenants}) as s:
+    async with inprocess_stack(p_args=NO_P_CACHE, router={"tenancy": {"tenants": tenants}}) as s:
         for key, status in (("nope", 401), (None, 401)):
             headers = {"Authorization": f"Bearer {key}"} if key else {}
             r = await s.http.post(
@@ -177,7 +177,7 @@ async def test_turn_after_the_ttl_is_expired_not_an_error():
         inprocess_stack(
             p_args=NO_P_CACHE,
             d_args=(ttl,),
-            router={"decoder_kv_blocks_ttl_s": 6, "ttl_margin_s": 4.5},
+            router={"retention": {"decoder_kv_blocks_ttl_s": 6, "ttl_margin_s": 4.5}},
         ) as s,
         s.client() as c,
     ):

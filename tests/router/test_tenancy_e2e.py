@@ -58,11 +58,12 @@ def probed(tmp_path_factory):
     state = tmp / "state"
     try:
         cfg = {
-            "prefill": [{"url": s.prefill[0].url, "kv_events": events}],
-            "decode": [{"url": s.decode[0].url}],
-            "block_size": 16,
-            "tenants": TENANTS,
-            "admin_api_keys": [ADMIN],
+            "upstream": {
+                "prefill": [{"url": s.prefill[0].url, "kv_events": events}],
+                "decode": [{"url": s.decode[0].url}],
+                "block_size": 16,
+            },
+            "tenancy": {"tenants": TENANTS, "admin_api_keys": [ADMIN]},
         }
         with pytest.MonkeyPatch.context() as env:
             env.setenv("XDG_STATE_HOME", str(state))
@@ -175,19 +176,17 @@ def ids_of(s: Stack, text: str) -> list[int]:
 
 @pytest.mark.parametrize("store", ["memory", "redis"])
 def test_a_flooding_tenant_never_evicts_another_tenants_handle(tmp_path, request, store):
-    """``store_max_entries_per_tenant`` unset: with two tenants and 10 handles, each holds 5."""
+    """``store.max_entries_per_tenant`` unset: with two tenants and 10 handles, each holds 5."""
     tenants = [
         {"name": "quiet", "api_keys": ["key-quiet"]},
         {"name": "noisy", "api_keys": ["key-noisy"]},
     ]
     router: dict[str, Any] = {
-        "tenants": tenants,
-        "admin_api_keys": [ADMIN],
-        "salt_secret": "x" * 32,
-        "store_max_entries": 10,
+        "tenancy": {"tenants": tenants, "admin_api_keys": [ADMIN], "salt_secret": "x" * 32},
+        "store": {"max_entries": 10},
     }
     if store == "redis":
-        router["store"] = request.getfixturevalue("redis_url").replace("/0", "/3")
+        router["store"]["backend"] = request.getfixturevalue("redis_url").replace("/0", "/3")
     with stack(tmp_path, p_args=NO_P_CACHE, router=router) as s:
         ids = ids_of(s, long_prompt("flood"))
 
@@ -230,10 +229,12 @@ def test_an_unusable_kept_secret_stops_the_router_with_one_line(tmp_path):
     config.write_text(
         json.dumps(
             {
-                "prefill": [{"url": "http://127.0.0.1:9"}],
-                "decode": [{"url": "http://127.0.0.1:9"}],
-                "tenants": TENANTS,
-                "port": free_port(),
+                "upstream": {
+                    "prefill": [{"url": "http://127.0.0.1:9"}],
+                    "decode": [{"url": "http://127.0.0.1:9"}],
+                },
+                "tenancy": {"tenants": TENANTS},
+                "http": {"port": free_port()},
             }
         )
     )

@@ -30,7 +30,7 @@ base_port = {free_port()}
 kv_events_base_port = {free_port()}
 [decode]
 base_port = {free_port()}
-[router]
+[router.http]
 port = {free_port()}
 [sim]
 time_scale = 0

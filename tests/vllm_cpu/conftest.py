@@ -111,8 +111,9 @@ prefix_caching = true
 kv_events_base_port = {ports[3]}
 [decode]
 base_port = {ports[1]}
-[router]
+[router.http]
 port = {ports[2]}
+[router.retention]
 ttl_margin_s = 10
 [sim]
 time_scale = 0
@@ -129,4 +130,6 @@ time_scale = 0
 @pytest.fixture(scope="session")
 def unverified_router(real: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """vLLM's example-proxy policy on the same real engines."""
-    yield from router_on(real, tmp_path_factory.mktemp("unverified"), reuse_policy="unverified")
+    yield from router_on(
+        real, tmp_path_factory.mktemp("unverified"), paths={"reuse_policy": "unverified"}
+    )

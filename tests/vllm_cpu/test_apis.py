@@ -209,7 +209,7 @@ def recorded_router(real: Stack, tmp: Path, **options: object) -> Iterator[Recor
     threading.Thread(target=proxy.serve_forever, daemon=True).start()
     try:
         prefill = [{"url": proxy.url, "bidirectional": True}]
-        for url in router_on(real, tmp, prefill=prefill, **options):
+        for url in router_on(real, tmp, upstream={"prefill": prefill}, **options):
             router = Recorded(url, proxy)
             try:
                 yield router
@@ -232,7 +232,7 @@ def recorded_unverified(
 ) -> Iterator[Recorded]:
     """vLLM's example-proxy policy: a handle is read whatever the prompt."""
     tmp = tmp_path_factory.mktemp("unverified")
-    yield from recorded_router(real, tmp, reuse_policy="unverified")
+    yield from recorded_router(real, tmp, paths={"reuse_policy": "unverified"})
 
 
 # -- measuring ---------------------------------------------------------------------------------

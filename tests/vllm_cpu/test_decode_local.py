@@ -1,9 +1,9 @@
 """A turn decoded in place on real vLLM 0.33 (CPU): docs/paths.md reads in vLLM's source that a
 request reaching D without a remote prefill is prefilled there from D's own prefix cache. Through
-a router with ``paths = "decode"`` on the real engines, a turn that adds a user message to what D
-holds goes straight to that D: P reads nothing, D's prefix cache hits the history's full blocks
-(its ``local_cache_hit`` counter), and the first token's top-5 logprobs equal a clean recompute's
-(P, a fresh ``cache_salt``)."""
+a router with ``paths.mode = "decode"`` on the real engines, a turn that adds a user message to
+what D holds goes straight to that D: P reads nothing, D's prefix cache hits the history's full
+blocks (its ``local_cache_hit`` counter), and the first token's top-5 logprobs equal a clean
+recompute's (P, a fresh ``cache_salt``)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ BLOCK = 32  # cpu-tiny's block size
 
 @pytest.fixture(scope="module")
 def decode_router(real: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    yield from router_on(real, tmp_path_factory.mktemp("decode"), paths="decode")
+    yield from router_on(real, tmp_path_factory.mktemp("decode"), paths={"mode": "decode"})
 
 
 def test_a_turn_decoded_in_place_hits_ds_prefix_cache_and_is_exact(real, decode_router):

@@ -10,7 +10,7 @@ D's answer leaves behind (its handle, the kept token identity).
 
 The rules kept here, once:
 
-* **The path** (config ``paths``): the cost model (:func:`agentkv.router.paths.choose`) may
+* **The path** (config ``paths.mode``): the cost model (:func:`agentkv.router.paths.choose`) may
   send a turn straight to the D that holds its verified handle (``decode``: D prefills the new
   tokens from its own prefix cache, no P), within that D's budget (:class:`Reserve`). The
   handle is then spent when that D accepts the turn; D refusing puts it back, D failing sends

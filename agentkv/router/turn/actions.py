@@ -396,7 +396,7 @@ class TurnInput:
     context_limit: int | None = None
     """The smallest ``max_model_len`` the engines serve (None: not known)."""
     curves: Curves = field(default_factory=Curves)
-    """The path cost model's curves (config ``path_costs``)."""
+    """The path cost model's curves (config ``paths.costs``)."""
 
 
 Kept = Literal["stored", "released", "none", "unknown"]

@@ -136,7 +136,7 @@ def _choose(
     t: TurnInput, cfg: RouterConfig, n: int, plan: ReusePlan, found: Found | None
 ) -> Choice | None:
     """The cost model's path for a turn whose verified handle P would read (None: config
-    ``paths = "pull"``, or no such handle). D's prefix cache holds the handle's verified full
+    ``paths.mode = "pull"``, or no such handle). D's prefix cache holds the handle's verified full
     blocks (vLLM's prefix cache counts full blocks only). A D out of rotation is not a place to
     decode: its handle can only be read back."""
     if cfg.paths.mode == "pull" or plan.taken is None or plan.params is None or plan.release:
