@@ -29,7 +29,10 @@ pytestmark = pytest.mark.e2e
 BS = 16
 D_BLOCKS = 32
 """D's GPU: 31 usable blocks, all of which conversation B's turn takes."""
-TTL_S = 1.0
+TTL_S = 2.5
+"""D's TTL; the router stops using a handle 0.5 s before it (2 s: room for a loaded machine
+between a turn and the next, which must find the handle)."""
+MARGIN_S = 0.5
 A = list(range(1000, 1300))  # 300 tokens; with 20 generated, D holds 19 full blocks (304)
 B = list(range(5000, 5470))  # 470 tokens; with 20 generated, 31 blocks: D's whole GPU
 CPU_LOADED = "agentkv_sim_cpu_loaded_tokens_total"
@@ -65,7 +68,7 @@ def deployment(tmp_path: Path) -> Iterator[Stack]:
                 "decode": [{"url": d.url, "kv_events": events}],
                 "block_size": BS,
             },
-            "retention": {"decoder_kv_blocks_ttl_s": TTL_S, "ttl_margin_s": TTL_S / 2},
+            "retention": {"decoder_kv_blocks_ttl_s": TTL_S, "ttl_margin_s": MARGIN_S},
             "paths": {"mode": "choose"},
         }
         s.routers.append(start_router(config, tmp_path, log_level="info"))
