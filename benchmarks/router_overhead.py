@@ -86,6 +86,8 @@ CONVERSATIONS = {0: 32, 1_000: 16, 8_000: 4, 32_000: 2, 128_000: 1}
 """Conversations per cell and round at c=1 (at c>1: at least c), by first prompt length."""
 RSS_CONVERSATIONS = 48
 RSS_WARM = 8
+RSS_SETTLE_S = 2.0
+"""Seconds at rest before each RSS reading (past the router's heap trim, every second)."""
 
 
 def sim_args(blocks: int = 262_144, ttl_s: float = D_TTL_S) -> list[str]:
@@ -172,12 +174,12 @@ def memory(starters: list[tuple[str, str, Any]], mat: Material, conversations: i
             t = Target("rss", name, proc.url, kind, proc.pid)
             cell = f"rss-{kind}-{os.getpid()}-{len(rows)}"
             asyncio.run(drive(t, STREAMED, 1, RSS_WARM, f"{cell}-warm", mat, 1))
-            time.sleep(0.5)
+            time.sleep(RSS_SETTLE_S)
             before = rss_kib(proc.pid)
             st, _ = asyncio.run(drive(t, STREAMED, 1, conversations, cell, mat, 1))
             if st.failures:
                 raise RuntimeError(f"{name}: {st.failures[0]}")
-            time.sleep(0.5)
+            time.sleep(RSS_SETTLE_S)
             after = rss_kib(proc.pid)
             handles = None
             if "router" in name:

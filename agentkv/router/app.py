@@ -36,6 +36,7 @@ from agentkv.protocol.names import RouterMetric
 from agentkv.router.config import RouterConfig
 from agentkv.router.errors import router_error_handling
 from agentkv.router.guard import GuardedStore
+from agentkv.router.heap import HeapTrimmer
 from agentkv.router.http import ClientFactory, TransportError
 from agentkv.router.identity import Identity, IdentityLedger, MemoryLedger, RedisLedger
 from agentkv.router.kv_index import PrefixIndex
@@ -151,10 +152,13 @@ def create_app(
     )
     responses = ResponsesAPI(config, router, response_store(config, inner), tenancy)
 
+    heap = HeapTrimmer(config.http.heap_trim_interval_s or None)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         pool.start()
         router.start()
+        heap.start()
         for subscriber in subscribers:
             try:
                 await subscriber.start()
@@ -174,6 +178,7 @@ def create_app(
         try:
             yield
         finally:
+            await heap.aclose()
             if metrics_server is not None:
                 await metrics_server.stop()
             await router.drain()

@@ -304,6 +304,10 @@ class HttpSettings(_Group):
     both enforce ``max_header_bytes`` and ``max_headers``."""
     log_format: Literal["text", "json"] = "text"
     """``json``: one JSON object per log line."""
+    heap_trim_interval_s: float = Field(1.0, ge=0)
+    """Every this many seconds, return the heap's free memory to the system when at least a MiB
+    is free (glibc's ``malloc_trim``; agent-sized turns leave megabytes free, fragmented by what
+    stays live); 0: never."""
 
 
 class ResponsesSettings(_Group):
