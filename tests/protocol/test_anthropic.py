@@ -12,6 +12,7 @@ import orjson
 import pytest
 
 from agentkv.protocol import anthropic as a
+from tests._support.tools import chat_tool
 
 BILLING = "x-anthropic-billing-header: cc_version=2.1.197.123; cc_entrypoint=sdk-cli; cch=9f3a1;"
 REMINDER = (
@@ -122,22 +123,8 @@ SYSTEM_TEXT = (
     "\nYou are an interactive agent that helps with software engineering."
 )
 CHAT_TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "Bash",
-            "description": BASH["description"],
-            "parameters": BASH["input_schema"],
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "Read",
-            "description": READ["description"],
-            "parameters": {**READ["input_schema"], "type": "object"},
-        },
-    },
+    chat_tool("Bash", BASH["description"], BASH["input_schema"]),
+    chat_tool("Read", READ["description"], {**READ["input_schema"], "type": "object"}),
 ]
 
 
