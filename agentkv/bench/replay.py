@@ -200,7 +200,7 @@ async def _run_session(
             answered = time.perf_counter()
             render_s = max(0.0, capture.sent.get(conv.id, started) - started)
         except Exception as exc:  # recorded; the session stops here
-            rec.error = f"{type(exc).__name__}: {exc}"[:300]
+            rec.record_error(exc)
             records.append(rec)
             on_turn(rec)
             break

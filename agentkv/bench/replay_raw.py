@@ -193,7 +193,7 @@ class RawClients:
                 )
                 every = await self._prompt_ids(s.history, s.returned, True) if changed else prompt
             except (httpx.HTTPError, WireError, ValueError, KeyError) as exc:
-                rec.error = rec.error or f"ideal: {type(exc).__name__}: {exc}"[:300]
+                rec.record_error(exc, "ideal: ")
                 return
             if held:
                 ideal, lcp = ideal_tokens(prompt, held, self.settings.block_size)
@@ -270,7 +270,7 @@ class RawClients:
                 answered = time.perf_counter()
                 text, gen = await self._generated(answer)
             except (httpx.HTTPError, WireError, ValueError, KeyError, TypeError) as exc:
-                rec.error = f"{type(exc).__name__}: {exc}"[:300]
+                rec.record_error(exc)
                 records.append(rec)
                 on_turn(rec)
                 break

@@ -178,6 +178,11 @@ class TurnRecord:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def record_error(self, exc: BaseException, stage: str = "") -> None:
+        """``exc`` as the turn's error (``stage`` before it, 300 characters at most), unless it
+        already has one."""
+        self.error = self.error or f"{stage}{type(exc).__name__}: {exc}"[:300]
+
     def read_reuse(self, decision: str, cached_tokens: int | None) -> None:
         """The router's decision and what prefill did not compute (``prompt_tokens`` set)."""
         self.decision = decision

@@ -9,7 +9,7 @@ import platform
 import shlex
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -316,46 +316,53 @@ def _in_order(summaries: Mapping[str, PolicySummary]) -> list[tuple[str, PolicyS
     return [(policy, summaries[policy]) for policy in POLICIES if policy in summaries]
 
 
+_Cell = Callable[[str, PolicySummary], str]
+_SUMMARY_COLUMNS: tuple[tuple[str, _Cell], ...] = (
+    ("policy", lambda policy, s: policy_name(policy)),
+    ("turns", lambda policy, s: f"{s.turns}" + (f" ({s.errors} failed)" if s.errors else "")),
+    ("ideal reusable tokens", lambda policy, s: f"{s.ideal_tokens:,}"),
+    (
+        "read back correctly",
+        lambda policy, s: f"{s.useful_reused_tokens:,} ({_fmt(s.captured_pct, 2, '%')})",
+    ),
+    (
+        "reusable lost (any gap)",
+        lambda policy, s: "–" if policy == "none" else _fmt(s.lost_pct, 2, "%"),
+    ),
+    ("wrong-KV tokens (turns)", lambda policy, s: f"{s.wrong_kv_tokens:,} ({s.wrong_kv_turns})"),
+    ("prefill tokens recomputed", lambda policy, s: f"{s.recomputed_tokens:,}"),
+    ("compute saved", lambda policy, s: _fmt(s.compute_saved_pct, 1, "%")),
+    ("TTFT p50 / p90 ms", lambda policy, s: _ttft_cell(s)),
+    (
+        "D ITL p50 / p90 / p99 ms",
+        lambda policy, s: " / ".join(
+            _fmt(s.measured.get(f"d_itl_p{q}_ms"), 2) for q in (50, 90, 99)
+        ),
+    ),
+    (
+        "TTFT saved / turn",
+        lambda policy, s: (
+            "–"
+            if s.latency_saved_ms is None
+            else f"{s.latency_saved_ms:,.1f} ms ({_fmt(s.ttft_saved_pct, 1, '%')})"
+        ),
+    ),
+    ("expired", lambda policy, s: str(s.expired)),
+    ("retained block-hours", lambda policy, s: _fmt(s.retained_block_s / 3600, 2)),
+)
+"""The summary table's columns: each header with how a policy's cell reads."""
+
+
+def _ttft_cell(s: PolicySummary) -> str:
+    d = s.to_dict()
+    return f"{_fmt(d['model_ttft_p50_ms'], 1)} / {_fmt(d['model_ttft_p90_ms'], 1)}"
+
+
 def summary_rows(summaries: Mapping[str, PolicySummary]) -> list[list[str]]:
     """The terminal and markdown summary table (header first)."""
-    rows = [
-        [
-            "policy",
-            "turns",
-            "ideal reusable tokens",
-            "read back correctly",
-            "reusable lost (any gap)",
-            "wrong-KV tokens (turns)",
-            "prefill tokens recomputed",
-            "compute saved",
-            "TTFT p50 / p90 ms",
-            "D ITL p50 / p90 / p99 ms",
-            "TTFT saved / turn",
-            "expired",
-            "retained block-hours",
-        ]
-    ]
+    rows = [[header for header, _ in _SUMMARY_COLUMNS]]
     for policy, s in _in_order(summaries):
-        d = s.to_dict()
-        rows.append(
-            [
-                policy_name(policy),
-                f"{s.turns}" + (f" ({s.errors} failed)" if s.errors else ""),
-                f"{s.ideal_tokens:,}",
-                f"{s.useful_reused_tokens:,} ({_fmt(s.captured_pct, 2, '%')})",
-                "–" if policy == "none" else _fmt(s.lost_pct, 2, "%"),
-                f"{s.wrong_kv_tokens:,} ({s.wrong_kv_turns})",
-                f"{s.recomputed_tokens:,}",
-                _fmt(s.compute_saved_pct, 1, "%"),
-                f"{_fmt(d['model_ttft_p50_ms'], 1)} / {_fmt(d['model_ttft_p90_ms'], 1)}",
-                " / ".join(_fmt(s.measured.get(f"d_itl_p{q}_ms"), 2) for q in (50, 90, 99)),
-                "–"
-                if s.latency_saved_ms is None
-                else f"{s.latency_saved_ms:,.1f} ms ({_fmt(s.ttft_saved_pct, 1, '%')})",
-                str(s.expired),
-                _fmt(s.retained_block_s / 3600, 2),
-            ]
-        )
+        rows.append([cell(policy, s) for _, cell in _SUMMARY_COLUMNS])
     return rows
 
 

@@ -18,6 +18,7 @@ from agentkv.router.store import (
     StoreKey,
     Taken,
     check_per_conversation,
+    check_per_tenant,
     check_ttl,
     issued_by,
 )
@@ -61,10 +62,7 @@ class MemoryStore:
     ) -> None:
         if max_entries < 1:
             raise ValueError(f"max_entries must be at least 1, got {max_entries}")
-        if max_entries_per_tenant is not None and max_entries_per_tenant < 1:
-            raise ValueError(
-                f"max_entries_per_tenant must be at least 1, got {max_entries_per_tenant}"
-            )
+        check_per_tenant(max_entries_per_tenant)
         check_per_conversation(per_conversation)
         self._max_entries = max_entries
         self._per_tenant = max_entries_per_tenant or max_entries

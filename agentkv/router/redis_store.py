@@ -43,6 +43,7 @@ from agentkv.router.store import (
     StoreKey,
     Taken,
     check_per_conversation,
+    check_per_tenant,
     check_ttl,
     issued_by,
 )
@@ -223,10 +224,7 @@ class RedisStore:
         except ImportError as e:
             raise ImportError(_REDIS_EXTRA_HINT) from e
         check_per_conversation(per_conversation)
-        if max_entries_per_tenant is not None and max_entries_per_tenant < 1:
-            raise ValueError(
-                f"max_entries_per_tenant must be at least 1, got {max_entries_per_tenant}"
-            )
+        check_per_tenant(max_entries_per_tenant)
         self._prefix = prefix
         self._per_conversation = per_conversation
         self._per_tenant = max_entries_per_tenant or 0

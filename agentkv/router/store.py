@@ -318,6 +318,12 @@ def check_per_conversation(n: int) -> None:
         raise ValueError(f"per_conversation must be at least 1, got {n}")
 
 
+def check_per_tenant(n: int | None) -> None:
+    """``max_entries_per_tenant``: None (no bound of its own) or at least 1."""
+    if n is not None and n < 1:
+        raise ValueError(f"max_entries_per_tenant must be at least 1, got {n}")
+
+
 def make_store(
     url: str | None = None,
     *,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,12 +51,15 @@ class Stack:
     def router(self) -> RouterProcess:
         return self.routers[0]
 
-    def router_config(self, backend: dict[str, Any] | None = None) -> dict[str, Any]:
-        """A router configuration over these engines (``backend``: more of each one's settings),
-        16-token blocks."""
+    def router_config(
+        self, backend: dict[str, Any] | None = None, *, kv_events: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """A router configuration over these engines (``backend``: more of each one's settings;
+        ``kv_events``: the P's KV events configuration, the router subscribes), 16-token blocks."""
+        events = {} if kv_events is None else {"kv_events": kv_events}
         return {
             "upstream": {
-                "prefill": [{"url": p.url, **(backend or {})} for p in self.prefill],
+                "prefill": [{"url": p.url, **(backend or {}), **events} for p in self.prefill],
                 "decode": [{"url": d.url, **(backend or {})} for d in self.decode],
                 "block_size": 16,
             }
@@ -134,14 +138,19 @@ def stack(
     backend: dict[str, Any] | None = None,
     routers: int = 1,
     common: Sequence[str] = ("--time-scale", "0", "--block-size", "16"),
+    kv_events: dict[str, Any] | None = None,
 ) -> Iterator[Stack]:
+    """P and D simulators and ``routers`` routers over them (``kv_events``: the P publish KV
+    events with that configuration, the routers subscribe)."""
+    if kv_events is not None:
+        p_args = [[*a, "--kv-events-config", json.dumps(kv_events)] for a in p_args]
     argvs = [["--role", "prefill", *common, *a] for a in p_args] + [
         ["--role", "decode", *common, *a] for a in d_args
     ]
     sims = start_sims(argvs)
     s = Stack(sims[: len(p_args)], sims[len(p_args) :])
     try:
-        cfg = router_data(s.router_config(backend), router)
+        cfg = router_data(s.router_config(backend, kv_events=kv_events), router)
         for _ in range(routers):
             s.routers.append(start_router(cfg, tmp))
         yield s

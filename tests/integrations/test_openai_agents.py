@@ -35,15 +35,16 @@ TOOLS = [function_tool(weather.get_weather), function_tool(weather.add)]  # the 
 AGENT = Agent(name="assistant", instructions=SYSTEM, tools=TOOLS, model=MODEL)
 
 
-def provider_for(sdk_clients: Any, recorder: Recorder) -> AgentKVModelProvider:
+@pytest.fixture
+def provider(sdk_clients: Any, recorder: Recorder) -> AgentKVModelProvider:
+    """The provider over the suite's async client, its turns to ``recorder``."""
     _client, async_client = sdk_clients
     return AgentKVModelProvider(async_client=async_client, on_turn=recorder)
 
 
 def test_sessions_keep_one_conversation_each_token_exact(
-    pd: Stack, sdk_clients: Any, scripts: Scripts, recorder: Recorder
+    pd: Stack, provider: AgentKVModelProvider, scripts: Scripts, recorder: Recorder
 ) -> None:
-    provider = provider_for(sdk_clients, recorder)
     config = RunConfig(model_provider=provider)
 
     async def run() -> None:
@@ -74,9 +75,8 @@ def test_sessions_keep_one_conversation_each_token_exact(
 
 
 def test_session_limit_is_a_rewrite_and_streaming_runs(
-    pd: Stack, sdk_clients: Any, scripts: Scripts, recorder: Recorder
+    pd: Stack, provider: AgentKVModelProvider, scripts: Scripts, recorder: Recorder
 ) -> None:
-    provider = provider_for(sdk_clients, recorder)
     full = RunConfig(model_provider=provider)
     trimmed = RunConfig(model_provider=provider, session_settings=SessionSettings(limit=4))
 
@@ -111,11 +111,10 @@ def test_session_limit_is_a_rewrite_and_streaming_runs(
 
 # -- issue 14 §2, framework fidelity ----------------------------------------------------------
 def test_fidelity_run_streamed_reports_input_and_cached_tokens(
-    pd: Stack, sdk_clients: Any, scripts: Scripts, recorder: Recorder
+    pd: Stack, provider: AgentKVModelProvider, scripts: Scripts, recorder: Recorder
 ) -> None:
     from agents import ModelSettings
 
-    provider = provider_for(sdk_clients, recorder)
     config = RunConfig(model_provider=provider)
     usages: list[Any] = []
 
@@ -156,14 +155,13 @@ def test_fidelity_run_streamed_reports_input_and_cached_tokens(
 
 
 def test_fidelity_no_default_model_the_served_one_or_the_given_one(
-    pd: Stack, sdk_clients: Any, scripts: Scripts, recorder: Recorder
+    pd: Stack, sdk_clients: Any, provider: AgentKVModelProvider, scripts: Scripts
 ) -> None:
     from agents.exceptions import UserError
 
     from agentkv.sim.launch import free_port
 
     bare = Agent(name="assistant", instructions=SYSTEM)  # names no model
-    provider = provider_for(sdk_clients, recorder)
 
     async def run(agent: Agent[Any], provider: AgentKVModelProvider) -> Any:
         return await Runner.run(agent, "Hi?", run_config=RunConfig(model_provider=provider))
@@ -185,7 +183,7 @@ def test_fidelity_no_default_model_the_served_one_or_the_given_one(
 
 
 def test_fidelity_tracing_is_the_sdks_own_processors_get_the_turns(
-    sdk_clients: Any, scripts: Scripts, recorder: Recorder
+    provider: AgentKVModelProvider, scripts: Scripts, recorder: Recorder
 ) -> None:
     """Tracing as the docs configure it: set_trace_processors([...]) sends the spans to a
     processor of one's own (instead of OpenAI's exporter); the generation spans carry the
@@ -221,7 +219,6 @@ def test_fidelity_tracing_is_the_sdks_own_processors_get_the_turns(
     set_trace_processors([collect])
     set_tracing_disabled(False)
     try:
-        provider = provider_for(sdk_clients, recorder)
         scripts.extend([answer("Traced.")])
         config = RunConfig(model_provider=provider, workflow_name="agentkv-trace")
         result = asyncio.run(Runner.run(AGENT, "Trace?", run_config=config))

@@ -12,6 +12,7 @@ import orjson
 import pytest
 
 from agentkv.protocol import anthropic as a
+from tests._support.tools import chat_tool
 
 BILLING = "x-anthropic-billing-header: cc_version=2.1.197.123; cc_entrypoint=sdk-cli; cch=9f3a1;"
 REMINDER = (
@@ -122,22 +123,8 @@ SYSTEM_TEXT = (
     "\nYou are an interactive agent that helps with software engineering."
 )
 CHAT_TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "Bash",
-            "description": BASH["description"],
-            "parameters": BASH["input_schema"],
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "Read",
-            "description": READ["description"],
-            "parameters": {**READ["input_schema"], "type": "object"},
-        },
-    },
+    chat_tool("Bash", BASH["description"], BASH["input_schema"]),
+    chat_tool("Read", READ["description"], {**READ["input_schema"], "type": "object"}),
 ]
 
 
@@ -629,6 +616,27 @@ def call(
     return {"tool_calls": [out]}
 
 
+def block(index: int, start: dict[str, Any], *deltas: dict[str, Any]) -> list[dict[str, Any]]:
+    """The events of one content block: its start, its deltas, its stop."""
+    return [
+        {"type": "content_block_start", "index": index, "content_block": start},
+        *({"type": "content_block_delta", "index": index, "delta": d} for d in deltas),
+        {"type": "content_block_stop", "index": index},
+    ]
+
+
+def text_delta(text: str) -> dict[str, Any]:
+    return {"type": "text_delta", "text": text}
+
+
+def json_delta(partial: str) -> dict[str, Any]:
+    return {"type": "input_json_delta", "partial_json": partial}
+
+
+def tool_use(id: str, name: str) -> dict[str, Any]:
+    return {"type": "tool_use", "id": id, "name": name, "input": {}}
+
+
 def test_stream_of_thinking_text_and_tool_calls():
     s = a.MessageStream()
     first = chunk({"role": "assistant", "content": ""})
@@ -674,70 +682,19 @@ def test_stream_of_thinking_text_and_tool_calls():
     }
     signature = out[4]["delta"]["signature"]
     assert len(signature) == 32
+    text = {"type": "text", "text": ""}
     assert out[1:] == [
-        {
-            "type": "content_block_start",
-            "index": 0,
-            "content_block": {"type": "thinking", "thinking": ""},
-        },
-        {
-            "type": "content_block_delta",
-            "index": 0,
-            "delta": {"type": "thinking_delta", "thinking": "Think"},
-        },
-        {
-            "type": "content_block_delta",
-            "index": 0,
-            "delta": {"type": "thinking_delta", "thinking": "ing."},
-        },
-        {
-            "type": "content_block_delta",
-            "index": 0,
-            "delta": {"type": "signature_delta", "signature": signature},
-        },
-        {"type": "content_block_stop", "index": 0},
-        {"type": "content_block_start", "index": 1, "content_block": {"type": "text", "text": ""}},
-        {"type": "content_block_delta", "index": 1, "delta": {"type": "text_delta", "text": "Hi "}},
-        {
-            "type": "content_block_delta",
-            "index": 1,
-            "delta": {"type": "text_delta", "text": "there."},
-        },
-        {"type": "content_block_stop", "index": 1},
-        {
-            "type": "content_block_start",
-            "index": 2,
-            "content_block": {"type": "tool_use", "id": "call_1", "name": "Bash", "input": {}},
-        },
-        {
-            "type": "content_block_delta",
-            "index": 2,
-            "delta": {"type": "input_json_delta", "partial_json": '{"command": '},
-        },
-        {
-            "type": "content_block_delta",
-            "index": 2,
-            "delta": {"type": "input_json_delta", "partial_json": '"ls"}'},
-        },
-        {"type": "content_block_stop", "index": 2},
-        {"type": "content_block_start", "index": 3, "content_block": {"type": "text", "text": ""}},
-        {
-            "type": "content_block_delta",
-            "index": 3,
-            "delta": {"type": "text_delta", "text": "held"},
-        },
-        {"type": "content_block_stop", "index": 3},
-        {
-            "type": "content_block_start",
-            "index": 4,
-            "content_block": {"type": "tool_use", "id": "call_2", "name": "Read", "input": {}},
-        },
-        {
-            "type": "content_block_delta",
-            "index": 4,
-            "delta": {"type": "input_json_delta", "partial_json": '{"file_path": "a"}'},
-        },
-        {"type": "content_block_stop", "index": 4},
+        *block(
+            0,
+            {"type": "thinking", "thinking": ""},
+            {"type": "thinking_delta", "thinking": "Think"},
+            {"type": "thinking_delta", "thinking": "ing."},
+            {"type": "signature_delta", "signature": signature},
+        ),
+        *block(1, text, text_delta("Hi "), text_delta("there.")),
+        *block(2, tool_use("call_1", "Bash"), json_delta('{"command": '), json_delta('"ls"}')),
+        *block(3, text, text_delta("held")),
+        *block(4, tool_use("call_2", "Read"), json_delta('{"file_path": "a"}')),
         {
             "type": "message_delta",
             "delta": {"stop_reason": "tool_use", "stop_sequence": None},

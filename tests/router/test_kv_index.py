@@ -4,9 +4,11 @@ subscriber against a real ``agentkv sim`` process (L equals the simulator's own 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -282,40 +284,58 @@ async def test_losing_the_engine_clears_the_index() -> None:
         ctx.term()
 
 
-def _replaying(buffer_steps: int = 10_000, **kw: Any) -> KVEventsConfig:
-    """vLLM's config with a replay socket, on free ports (the engine binds both)."""
-    return KVEventsConfig(
+@dataclass
+class _Replaying:
+    """An engine's publisher with a replay socket, and a subscriber's index of it."""
+
+    config: KVEventsConfig
+    publisher: ZmqEventPublisher
+    index: PrefixIndex
+    sub: KVEventSubscriber
+
+
+@contextlib.asynccontextmanager
+async def _replaying(buffer_steps: int = 10_000, **sub_kw: Any) -> AsyncIterator[_Replaying]:
+    """vLLM's config with a replay socket, on free ports (the engine binds both), its publisher
+    and a subscriber (not started) of it; both closed on the way out (``publisher`` may be
+    replaced by a restarted one)."""
+    config = KVEventsConfig(
         enable_kv_cache_events=True,
         endpoint=f"tcp://*:{free_port()}",
         replay_endpoint=f"tcp://*:{free_port()}",
         topic="kv",
         buffer_steps=buffer_steps,
-        **kw,
     )
+    index = PrefixIndex(BS)
+    engine = _Replaying(
+        config,
+        ZmqEventPublisher(config),
+        index,
+        KVEventSubscriber.from_config(config, index, host="127.0.0.1", **sub_kw),
+    )
+    try:
+        yield engine
+    finally:
+        await engine.sub.aclose()
+        engine.publisher.shutdown()
 
 
 async def test_late_subscriber_bootstraps_and_fills_gaps_from_replay() -> None:
     """The simulator's publisher (vLLM's replay protocol): a subscriber that starts late (a
     router restart) gets the engine's whole history from the replay socket: in sync at once."""
-    config = _replaying()
-    publisher = ZmqEventPublisher(config)
-    index = PrefixIndex(BS)
-    sub = KVEventSubscriber.from_config(config, index, host="127.0.0.1")
-    try:
-        publisher.publish([stored([1, 2], IDS[: 2 * BS])])
-        publisher.publish([stored([3], IDS[2 * BS : 3 * BS], parent=2)])
+    async with _replaying() as e:
+        e.publisher.publish([stored([1, 2], IDS[: 2 * BS])])
+        e.publisher.publish([stored([3], IDS[2 * BS : 3 * BS], parent=2)])
         await asyncio.sleep(0.2)  # sent before anyone listens: only the replay has them
-        await sub.start()
-        await _until(lambda: index.local_prefix_tokens(IDS) == 3 * BS)
-        assert sub.stats.replayed_batches == 2 and sub.stats.last_seq == 1 and index.in_sync
+        await e.sub.start()
+        await _until(lambda: e.index.local_prefix_tokens(IDS) == 3 * BS)
+        assert e.sub.stats.replayed_batches == 2 and e.sub.stats.last_seq == 1
+        assert e.index.in_sync
         # Live events follow; a restart of the index from replay is not needed.
         await asyncio.sleep(0.3)
-        publisher.publish([removed(3)])
-        await _until(lambda: index.local_prefix_tokens(IDS) == 2 * BS)
-        assert index.in_sync
-    finally:
-        await sub.aclose()
-        publisher.shutdown()
+        e.publisher.publish([removed(3)])
+        await _until(lambda: e.index.local_prefix_tokens(IDS) == 2 * BS)
+        assert e.index.in_sync
 
 
 @pytest.mark.parametrize("ends", [True, False], ids=["replay-ends", "replay-cut-short"])
@@ -369,52 +389,38 @@ async def test_an_index_is_in_sync_only_when_its_replay_has_ended(ends: bool) ->
 async def test_an_empty_replay_buffer_proves_an_empty_cache() -> None:
     """An engine that has published nothing holds nothing: L is 0 (not unknown) before its
     first batch; a restarted engine on the same ports is the same case, after a disconnect."""
-    config = _replaying()
-    publisher = ZmqEventPublisher(config)
-    index = PrefixIndex(BS)
-    sub = KVEventSubscriber.from_config(config, index, host="127.0.0.1", heartbeat_s=0.2)
-    try:
-        await sub.start()
-        await _until(lambda: index.in_sync)
-        assert index.local_prefix_tokens(IDS) == 0
-        await _until(lambda: sub.stats.connects == 1)
+    async with _replaying(heartbeat_s=0.2) as e:
+        await e.sub.start()
+        await _until(lambda: e.index.in_sync)
+        assert e.index.local_prefix_tokens(IDS) == 0
+        await _until(lambda: e.sub.stats.connects == 1)
         await asyncio.sleep(0.2)
-        publisher.publish([stored([1, 2, 3], IDS[: 3 * BS])])
-        await _until(lambda: index.local_prefix_tokens(IDS) == 3 * BS)
-        publisher.shutdown()  # the engine restarts: its cache is gone
-        await _until(lambda: sub.stats.disconnects == 1)
-        assert index.local_prefix_tokens(IDS) is None
-        publisher = ZmqEventPublisher(config)
-        await _until(lambda: sub.stats.connects == 2)
-        await _until(lambda: index.in_sync)
-        assert index.local_prefix_tokens(IDS) == 0
-    finally:
-        await sub.aclose()
-        publisher.shutdown()
+        e.publisher.publish([stored([1, 2, 3], IDS[: 3 * BS])])
+        await _until(lambda: e.index.local_prefix_tokens(IDS) == 3 * BS)
+        e.publisher.shutdown()  # the engine restarts: its cache is gone
+        await _until(lambda: e.sub.stats.disconnects == 1)
+        assert e.index.local_prefix_tokens(IDS) is None
+        e.publisher = ZmqEventPublisher(e.config)
+        await _until(lambda: e.sub.stats.connects == 2)
+        await _until(lambda: e.index.in_sync)
+        assert e.index.local_prefix_tokens(IDS) == 0
 
 
 async def test_a_wrapped_replay_buffer_is_not_a_history() -> None:
     """The buffer lost the engine's first batches: what it holds from before is unknown, until
     the engine's prefix cache is reset."""
-    config = _replaying(buffer_steps=2)
-    publisher = ZmqEventPublisher(config)
-    index = PrefixIndex(BS)
-    sub = KVEventSubscriber.from_config(config, index, host="127.0.0.1")
-    try:
-        publisher.publish([stored([1], IDS[:BS])])  # seq 0 leaves the buffer
-        publisher.publish([stored([2], IDS[BS : 2 * BS], parent=1)])
-        publisher.publish([stored([3], IDS[2 * BS : 3 * BS], parent=2)])
+    async with _replaying(buffer_steps=2) as e:
+        e.publisher.publish([stored([1], IDS[:BS])])  # seq 0 leaves the buffer
+        e.publisher.publish([stored([2], IDS[BS : 2 * BS], parent=1)])
+        e.publisher.publish([stored([3], IDS[2 * BS : 3 * BS], parent=2)])
         await asyncio.sleep(0.2)
-        await sub.start()
-        await _until(lambda: sub.stats.replayed_batches == 2)
-        assert not index.in_sync and index.local_prefix_tokens(IDS) is None
+        await e.sub.start()
+        await _until(lambda: e.sub.stats.replayed_batches == 2)
+        assert not e.index.in_sync and e.index.local_prefix_tokens(IDS) is None
         await asyncio.sleep(0.2)
-        publisher.publish([AllBlocksCleared()])
-        await _until(lambda: index.in_sync)
-        assert index.local_prefix_tokens(IDS) == 0
-    finally:
-        await sub.aclose()
-        publisher.shutdown()
+        e.publisher.publish([AllBlocksCleared()])
+        await _until(lambda: e.index.in_sync)
+        assert e.index.local_prefix_tokens(IDS) == 0
 
 
 async def test_a_foreign_publisher_on_a_bound_subscriber_changes_nothing() -> None:

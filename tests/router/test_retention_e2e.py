@@ -110,23 +110,7 @@ def test_receipts_equal_what_p_read_with_its_prefix_cache_on(tmp_path):
         "replay_endpoint": f"tcp://*:{free_port()}",
         "topic": "kv",
     }
-    common = ["--time-scale", "0", "--block-size", "16"]
-    sims = start_sims(
-        [
-            ["--role", "prefill", *common, "--kv-events-config", json.dumps(events)],
-            ["--role", "decode", *common],
-        ]
-    )
-    s = Stack(sims[:1], sims[1:])
-    try:
-        cfg = {
-            "upstream": {
-                "prefill": [{"url": s.prefill[0].url, "kv_events": events}],
-                "decode": [{"url": s.decode[0].url}],
-                "block_size": 16,
-            }
-        }
-        s.routers.append(start_router(cfg, tmp_path))
+    with stack(tmp_path, kv_events=events) as s:
         from tests._support.agents import SYSTEM, TOOLS, agent_turns, client
 
         before = s.metrics(s.prefill[0])
@@ -143,8 +127,6 @@ def test_receipts_equal_what_p_read_with_its_prefix_cache_on(tmp_path):
         assert all(r.local_prefix_tokens is not None for r in conv.receipts)
         assert claimed == pulled
         assert s.wrong_kv() == 0
-    finally:
-        s.stop()
 
 
 def test_the_p_with_the_longest_local_prefix_is_chosen(tmp_path):

@@ -17,6 +17,7 @@ import pytest
 
 from agentkv.router.tenancy import derived_salt
 from agentkv.sim.launch import free_port, start_sims
+from tests._support.router_config import router_data
 from tests._support.stack import MODEL, NO_P_CACHE, Stack, chat_as, exact, stack, start_router
 
 pytestmark = pytest.mark.e2e
@@ -57,14 +58,10 @@ def probed(tmp_path_factory):
     s = Stack(sims[:1], sims[1:])
     state = tmp / "state"
     try:
-        cfg = {
-            "upstream": {
-                "prefill": [{"url": s.prefill[0].url, "kv_events": events}],
-                "decode": [{"url": s.decode[0].url}],
-                "block_size": 16,
-            },
-            "tenancy": {"tenants": TENANTS, "admin_api_keys": [ADMIN]},
-        }
+        cfg = router_data(
+            s.router_config(kv_events=events),
+            {"tenancy": {"tenants": TENANTS, "admin_api_keys": [ADMIN]}},
+        )
         with pytest.MonkeyPatch.context() as env:
             env.setenv("XDG_STATE_HOME", str(state))
             s.routers.append(start_router(cfg, tmp, log_level="info"))

@@ -19,6 +19,7 @@ from agentkv.sim import SimConfig, create_app
 from agentkv.sim.costmodel import PRESETS
 from agentkv.sim.transfer import TransferClient
 from tests._support.templates import TEMPLATES_DIR
+from tests._support.tools import chat_tool
 
 pytestmark = pytest.mark.anyio
 
@@ -27,18 +28,15 @@ THINK, END_THINK = 151667, 151668  # <think>, </think>
 CODER = TEMPLATES_DIR / "qwen3-coder.jinja"
 MESSAGES = [{"role": "user", "content": "What's the weather in Paris for the next 3 days?"}]
 TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Weather forecast for a city.",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-                "required": ["city"],
-            },
+    chat_tool(
+        "get_weather",
+        "Weather forecast for a city.",
+        {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city"],
         },
-    }
+    )
 ]
 CALL = {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}
 REASONING = "The user wants a forecast; call the tool."

@@ -64,6 +64,13 @@ def series(name: str) -> str:
     return name
 
 
+@pytest.fixture
+def client() -> Iterator[httpx.Client]:
+    """An HTTP client for the simulators (loopback: no proxy from the environment)."""
+    with httpx.Client(timeout=30, trust_env=False) as c:
+        yield c
+
+
 @pytest.fixture(scope="module")
 def pd() -> Iterator[tuple[SimProcess, SimProcess]]:
     common = ["--time-scale", "0", "--block-size", str(BS)]
@@ -75,48 +82,47 @@ def pd() -> Iterator[tuple[SimProcess, SimProcess]]:
 
 
 def test_a_turn_sent_straight_to_d_is_prefilled_there_from_its_prefix_cache(
-    pd: tuple[SimProcess, SimProcess],
+    pd: tuple[SimProcess, SimProcess], client: httpx.Client
 ) -> None:
     p, d = pd
-    with httpx.Client(timeout=30, trust_env=False) as client:
-        first = ids(600, 1)
-        pr = complete(client, p, first, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
-        dr = complete(
-            client,
-            d,
-            first,
-            max_tokens=12,
-            ignore_eos=True,
-            return_token_ids=True,
-            kv_transfer_params=pr.json()["kv_transfer_params"],
-        )
-        out = dr.json()["choices"][0]["token_ids"]
-        assert dr.json()["kv_transfer_params"]["remote_num_tokens"] == 600 + 12 - 1
+    first = ids(600, 1)
+    pr = complete(client, p, first, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    dr = complete(
+        client,
+        d,
+        first,
+        max_tokens=12,
+        ignore_eos=True,
+        return_token_ids=True,
+        kv_transfer_params=pr.json()["kv_transfer_params"],
+    )
+    out = dr.json()["choices"][0]["token_ids"]
+    assert dr.json()["kv_transfer_params"]["remote_num_tokens"] == 600 + 12 - 1
 
-        second = first + out + ids(128, 2)
-        before = metrics(client, d)
-        r = complete(client, d, second, max_tokens=4, kv_transfer_params=dict(KEEP))
-        after = metrics(client, d)
-        body = r.json()
-        n = len(second)
-        # D's own prefix cache covers turn 1's prompt and answer, in whole blocks; the rest is
-        # computed on D: vLLM reports the local hit as cached_tokens (no P figure to take)
-        hit = (600 + 12 - 1) // BS * BS
-        assert int(r.headers[HEADER_SIM_CACHED_TOKENS]) == hit
-        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == hit
-        assert int(r.headers[HEADER_SIM_COMPUTED_TOKENS]) == n - hit
-        assert int(r.headers[HEADER_SIM_CPU_TOKENS]) == 0
-        assert delta(after, before, by_source("local_compute")) == n - hit
-        assert delta(after, before, by_source("local_cache_hit")) == hit
-        assert delta(after, before, by_source("external_kv_transfer")) == 0
-        # a non-empty kv_transfer_params keeps the next turn pullable: D's handle comes back
-        handle = body["kv_transfer_params"]
-        assert handle["do_remote_decode"] is True and handle["remote_num_tokens"] == n + 4 - 1
+    second = first + out + ids(128, 2)
+    before = metrics(client, d)
+    r = complete(client, d, second, max_tokens=4, kv_transfer_params=dict(KEEP))
+    after = metrics(client, d)
+    body = r.json()
+    n = len(second)
+    # D's own prefix cache covers turn 1's prompt and answer, in whole blocks; the rest is
+    # computed on D: vLLM reports the local hit as cached_tokens (no P figure to take)
+    hit = (600 + 12 - 1) // BS * BS
+    assert int(r.headers[HEADER_SIM_CACHED_TOKENS]) == hit
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == hit
+    assert int(r.headers[HEADER_SIM_COMPUTED_TOKENS]) == n - hit
+    assert int(r.headers[HEADER_SIM_CPU_TOKENS]) == 0
+    assert delta(after, before, by_source("local_compute")) == n - hit
+    assert delta(after, before, by_source("local_cache_hit")) == hit
+    assert delta(after, before, by_source("external_kv_transfer")) == 0
+    # a non-empty kv_transfer_params keeps the next turn pullable: D's handle comes back
+    handle = body["kv_transfer_params"]
+    assert handle["do_remote_decode"] is True and handle["remote_num_tokens"] == n + 4 - 1
 
-        # without kv_transfer_params D computes the same way but keeps nothing for a reader
-        r = complete(client, d, [*second, *ids(40, 3)], max_tokens=2)
-        assert r.json().get("kv_transfer_params") is None
-        assert int(r.headers[HEADER_SIM_CACHED_TOKENS]) == n // BS * BS
+    # without kv_transfer_params D computes the same way but keeps nothing for a reader
+    r = complete(client, d, [*second, *ids(40, 3)], max_tokens=2)
+    assert r.json().get("kv_transfer_params") is None
+    assert int(r.headers[HEADER_SIM_CACHED_TOKENS]) == n // BS * BS
 
 
 def _stream_gaps(
@@ -141,7 +147,9 @@ def _stream_gaps(
 
 
 @pytest.mark.parametrize("slowdown", [0.0, 1e-4])
-def test_a_prefill_on_d_slows_its_running_streams(tmp_path: Path, slowdown: float) -> None:
+def test_a_prefill_on_d_slows_its_running_streams(
+    tmp_path: Path, slowdown: float, client: httpx.Client
+) -> None:
     """A 4,000-token prefill on D (0.4 s) shares steps with a running stream: each of its decode
     steps grows by ``slowdown`` x the 2,048 tokens of one step's chunk (0.2 s); without the term
     none is slowed."""
@@ -164,10 +172,9 @@ def test_a_prefill_on_d_slows_its_running_streams(tmp_path: Path, slowdown: floa
         reader = threading.Thread(target=_stream_gaps, args=(d.url, body, gaps, started))
         reader.start()
         assert started.wait(30)
-        with httpx.Client(timeout=30, trust_env=False) as client:
-            before = metrics(client, d)
-            r = complete(client, d, ids(4000, 5), max_tokens=1)
-            after = metrics(client, d)
+        before = metrics(client, d)
+        r = complete(client, d, ids(4000, 5), max_tokens=1)
+        after = metrics(client, d)
         reader.join(60)
         assert int(r.headers[HEADER_SIM_COMPUTED_TOKENS]) == 4000
         added = delta(after, before, series("agentkv_sim_decode_slowdown_seconds_total"))
@@ -183,7 +190,9 @@ def test_a_prefill_on_d_slows_its_running_streams(tmp_path: Path, slowdown: floa
         d.stop()
 
 
-def test_prefills_queue_and_steps_are_in_the_inter_token_histogram(tmp_path: Path) -> None:
+def test_prefills_queue_and_steps_are_in_the_inter_token_histogram(
+    tmp_path: Path, client: httpx.Client
+) -> None:
     """Two 2,000-token prefills sent together to one instance (0.2 s of compute each): one
     computes while the other waits, and the wait is in the second's modelled TTFT and the queue
     counter. A 10-token answer's 9 later steps (20 ms each) are the inter-token histogram's."""
@@ -192,23 +201,22 @@ def test_prefills_queue_and_steps_are_in_the_inter_token_histogram(tmp_path: Pat
     (d,) = start_sims([["--role", "decode", "--costs", str(costs), "--block-size", str(BS)]])
     itl = "agentkv_sim_model_inter_token_seconds"
     try:
-        with httpx.Client(timeout=30, trust_env=False) as client:
-            before = metrics(client, d)
-            ttfts: list[float] = []
+        before = metrics(client, d)
+        ttfts: list[float] = []
 
-            def send(seed: int) -> None:
-                with httpx.Client(timeout=30, trust_env=False) as c:
-                    r = complete(c, d, ids(2000, seed), max_tokens=1)
-                    ttfts.append(float(r.headers["X-AgentKV-Sim-Model-TTFT-Ms"]) / 1000)
+        def send(seed: int) -> None:
+            with httpx.Client(timeout=30, trust_env=False) as c:
+                r = complete(c, d, ids(2000, seed), max_tokens=1)
+                ttfts.append(float(r.headers["X-AgentKV-Sim-Model-TTFT-Ms"]) / 1000)
 
-            threads = [threading.Thread(target=send, args=(s,)) for s in (7, 8)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(60)
-            middle = metrics(client, d)
-            complete(client, d, ids(64, 9), max_tokens=10, ignore_eos=True)
-            after = metrics(client, d)
+        threads = [threading.Thread(target=send, args=(s,)) for s in (7, 8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        middle = metrics(client, d)
+        complete(client, d, ids(64, 9), max_tokens=10, ignore_eos=True)
+        after = metrics(client, d)
         first, second = sorted(ttfts)
         assert first == pytest.approx(0.2, abs=0.01)
         waited = delta(middle, before, "agentkv_sim_prefill_queue_seconds_total")
@@ -242,51 +250,50 @@ def _evict_gpu(client: httpx.Client, d: SimProcess, seed: int) -> None:
 
 
 def test_a_turn_whose_gpu_blocks_are_gone_loads_its_prefix_from_d_cpu_tier(
-    offload: tuple[SimProcess, SimProcess],
+    offload: tuple[SimProcess, SimProcess], client: httpx.Client
 ) -> None:
     d, failing = offload
-    with httpx.Client(timeout=30, trust_env=False) as client:
-        prompt = ids(480, 10)
-        r = complete(
-            client,
-            d,
-            prompt,
-            max_tokens=8,
-            ignore_eos=True,
-            return_token_ids=True,
-            kv_transfer_params=KEEP,
-        )
-        assert r.json()["kv_transfer_params"]["remote_num_tokens"] == 487
-        out = r.json()["choices"][0]["token_ids"]
-        time.sleep(1.0)  # D's TTL passes: the handle's blocks are released
-        _evict_gpu(client, d, 20)
+    prompt = ids(480, 10)
+    r = complete(
+        client,
+        d,
+        prompt,
+        max_tokens=8,
+        ignore_eos=True,
+        return_token_ids=True,
+        kv_transfer_params=KEEP,
+    )
+    assert r.json()["kv_transfer_params"]["remote_num_tokens"] == 487
+    out = r.json()["choices"][0]["token_ids"]
+    time.sleep(1.0)  # D's TTL passes: the handle's blocks are released
+    _evict_gpu(client, d, 20)
 
-        again = [*prompt, *out, *ids(40, 11)]
-        before = metrics(client, d)
-        r = complete(client, d, again, max_tokens=2)
-        after = metrics(client, d)
-        # the first turn's prompt and answer, whole blocks of them, come back from the CPU tier
-        loaded = 487 // BS * BS
-        assert int(r.headers[HEADER_SIM_CACHED_TOKENS]) == 0
-        assert int(r.headers[HEADER_SIM_CPU_TOKENS]) == loaded
-        assert int(r.headers[HEADER_SIM_COMPUTED_TOKENS]) == len(again) - loaded
-        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == loaded
-        assert delta(after, before, cached_by_source("host")) == loaded
-        assert delta(after, before, series("agentkv_sim_cpu_loaded_tokens_total")) == loaded
-        assert after[series("agentkv_sim_cpu_blocks")] <= 256
+    again = [*prompt, *out, *ids(40, 11)]
+    before = metrics(client, d)
+    r = complete(client, d, again, max_tokens=2)
+    after = metrics(client, d)
+    # the first turn's prompt and answer, whole blocks of them, come back from the CPU tier
+    loaded = 487 // BS * BS
+    assert int(r.headers[HEADER_SIM_CACHED_TOKENS]) == 0
+    assert int(r.headers[HEADER_SIM_CPU_TOKENS]) == loaded
+    assert int(r.headers[HEADER_SIM_COMPUTED_TOKENS]) == len(again) - loaded
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == loaded
+    assert delta(after, before, cached_by_source("host")) == loaded
+    assert delta(after, before, series("agentkv_sim_cpu_loaded_tokens_total")) == loaded
+    assert after[series("agentkv_sim_cpu_blocks")] <= 256
 
-        # LRU: enough other prompts push it out of the 256-block tier as well
-        for i in range(3):
-            _evict_gpu(client, d, 30 + 2 * i)
-        r = complete(client, d, again, max_tokens=2)
-        assert int(r.headers[HEADER_SIM_CPU_TOKENS]) == 0
-        assert metrics(client, d)[series("agentkv_sim_cpu_evictions_total")] > 0
+    # LRU: enough other prompts push it out of the 256-block tier as well
+    for i in range(3):
+        _evict_gpu(client, d, 30 + 2 * i)
+    r = complete(client, d, again, max_tokens=2)
+    assert int(r.headers[HEADER_SIM_CPU_TOKENS]) == 0
+    assert metrics(client, d)[series("agentkv_sim_cpu_evictions_total")] > 0
 
-        # saves are best effort: where every save fails, nothing comes back
-        complete(client, failing, prompt, max_tokens=8, ignore_eos=True)
-        _evict_gpu(client, failing, 20)
-        r = complete(client, failing, again, max_tokens=2)
-        assert int(r.headers[HEADER_SIM_CPU_TOKENS]) == 0
-        assert int(r.headers[HEADER_SIM_COMPUTED_TOKENS]) == len(again)
-        failed = metrics(client, failing)[series("agentkv_sim_cpu_save_failures_total")]
-        assert failed >= 480 // BS
+    # saves are best effort: where every save fails, nothing comes back
+    complete(client, failing, prompt, max_tokens=8, ignore_eos=True)
+    _evict_gpu(client, failing, 20)
+    r = complete(client, failing, again, max_tokens=2)
+    assert int(r.headers[HEADER_SIM_CPU_TOKENS]) == 0
+    assert int(r.headers[HEADER_SIM_COMPUTED_TOKENS]) == len(again)
+    failed = metrics(client, failing)[series("agentkv_sim_cpu_save_failures_total")]
+    assert failed >= 480 // BS

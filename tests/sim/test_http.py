@@ -21,6 +21,7 @@ from agentkv.sim.costmodel import PRESETS
 from agentkv.sim.transfer import TransferClient
 from tests._support.cluster import openai_error
 from tests._support.templates import TEMPLATES_DIR
+from tests._support.tools import chat_tool
 
 pytestmark = pytest.mark.anyio
 
@@ -31,18 +32,11 @@ MESSAGES = [
     {"role": "user", "content": "What is the capital of France?"},
 ]
 TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Weather for a city.",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}},
-                "required": ["city"],
-            },
-        },
-    }
+    chat_tool(
+        "get_weather",
+        "Weather for a city.",
+        {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    )
 ]
 WITH_TOOL_CALL = [
     {"role": "user", "content": "Weather in Paris?"},

@@ -17,6 +17,7 @@ from agentkv.sim import SimConfig, create_app
 from agentkv.sim.costmodel import PRESETS
 from agentkv.sim.transfer import TransferClient
 from tests._support.templates import TEMPLATES_DIR
+from tests._support.tools import chat_tool
 
 pytestmark = pytest.mark.anyio
 
@@ -149,16 +150,7 @@ INLINE = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "and?"},
 ]
-CHAT_TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "Bash",
-            "description": "Run a command.",
-            "parameters": BASH["input_schema"],
-        },
-    }
-]
+CHAT_TOOLS = [chat_tool("Bash", "Run a command.", BASH["input_schema"])]
 
 
 async def test_prompt_is_vllms_chat_prompt(connect):
