@@ -1,0 +1,126 @@
+"""A request body whose token ids are parsed straight to int32 bytes, in C.
+
+The body is parsed once, by simdjson; the ids array of a turn (``prompt`` of
+``/v1/completions``, ``kv_transfer_params.prompt_token_ids`` of Chat Completions) is copied by
+simdjson into an int64 buffer and checked by numpy (integers from 0 to ``MAX_TOKEN_ID``, at
+least one): no Python ``int`` is made per id. The rest of the body becomes Python objects as
+orjson would make them.
+
+Only a body the fast path fully understands takes it: anything else (invalid JSON, duplicate
+keys, ids that are empty, negative, past int32, not integers, nested, a number simdjson does
+not take) returns None, and the caller parses the body as it always did (orjson), which
+refuses or accepts it with the same messages as before.
+
+simdjson flattens nested arrays into the buffer; a nested array would also add a ``[`` to the
+body: the fast path proves there is none by counting, the ``[`` of the raw body against those
+of the rest of the body re-encoded (a ``\\u005b`` escape anywhere: the general path).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+import numpy as np
+import orjson
+import simdjson
+
+from agentkv.router.token_ids import MAX_TOKEN_ID, TokenIds
+
+__all__ = ["fast_body"]
+
+_PARSER = simdjson.Parser()
+_CHAT_KEY: Final = b'"prompt_token_ids"'
+_COMPLETION_KEY: Final = b'"prompt"'
+
+
+class _General(Exception):
+    """The body is not for the fast path."""
+
+
+def _python(value: Any) -> Any:
+    if isinstance(value, simdjson.Object):
+        return value.as_dict()
+    if isinstance(value, simdjson.Array):
+        return value.as_list()
+    return value
+
+
+def _keys(obj: simdjson.Object) -> list[str]:
+    keys = list(obj.keys())
+    if len(set(keys)) != len(keys):
+        raise _General  # orjson keeps the last of duplicate keys; simdjson's lookup the first
+    return keys
+
+
+def _ids(arr: simdjson.Array) -> TokenIds:
+    n = len(arr)
+    if not n:
+        raise _General
+    try:
+        buf = arr.as_buffer(of_type="i")  # refuses booleans, floats, strings, null, objects
+    except (TypeError, ValueError):
+        raise _General from None
+    wide = np.frombuffer(buf, dtype=np.int64)
+    if wide.size != n or wide.min() < 0 or wide.max() > MAX_TOKEN_ID:
+        raise _General
+    return TokenIds.from_le(wide.astype("<i4").tobytes())
+
+
+def _none(_: object) -> None:
+    return None
+
+
+def _convert(doc: Any, raw: bytes, chat: bool) -> tuple[dict[str, Any], TokenIds | None]:
+    if not isinstance(doc, simdjson.Object):
+        raise _General
+    body: dict[str, Any] = {}
+    ids: TokenIds | None = None
+    for key in _keys(doc):
+        value = doc[key]
+        if chat and key == "kv_transfer_params" and isinstance(value, simdjson.Object):
+            params: dict[str, Any] = {}
+            for inner in _keys(value):
+                item = value[inner]
+                if inner == "prompt_token_ids" and isinstance(item, simdjson.Array):
+                    ids = params[inner] = _ids(item)
+                else:
+                    params[inner] = _python(item)
+            body[key] = params
+        elif not chat and key == "prompt" and isinstance(value, simdjson.Array) and len(value):
+            nested = len(value) == 1 and isinstance(value[0], simdjson.Array)
+            target: Any = value[0] if nested else value
+            if len(target) and type(target[0]) is int:
+                ids = _ids(target)
+                body[key] = [ids] if nested else ids
+            else:
+                body[key] = _python(value)
+        else:
+            body[key] = _python(value)
+    if ids is not None:
+        # no array nested in the ids: every ``[`` of the body is one of the rest's, or the ids'
+        if b"\\u005" in raw or b"\\U005" in raw:
+            raise _General
+        try:
+            rest = orjson.dumps(body, default=_none)  # the ids as null
+        except TypeError:  # nested past orjson's limit: the general path says so
+            raise _General from None
+        if raw.count(b"[") != rest.count(b"[") + 1:
+            raise _General
+    return body, ids
+
+
+def fast_body(raw: bytes, *, chat: bool) -> tuple[dict[str, Any], TokenIds | None] | None:
+    """The body of a request and its ids (None: none), or None when the body takes the general
+    path (see the module's doc)."""
+    if (_CHAT_KEY if chat else _COMPLETION_KEY) not in raw:
+        return None
+    try:
+        try:
+            doc = _PARSER.parse(raw)
+        except RuntimeError:  # the shared parser's document is still referenced somewhere
+            doc = simdjson.Parser().parse(raw)
+        return _convert(doc, raw, chat)
+    except (_General, ValueError):
+        return None
+    finally:
+        doc = None
