@@ -110,7 +110,18 @@ class TokenIds(Sequence[int]):
     @overload
     def __getitem__(self, index: slice) -> list[int]: ...
     def __getitem__(self, index: int | slice) -> int | list[int]:
-        return self.tolist()[index]
+        if self._list is not None:
+            return self._list[index]
+        n = len(self)
+        if isinstance(index, slice):  # a run of ids: only its own bytes are decoded
+            start, stop, step = index.indices(n)
+            if step != 1:
+                return self.tolist()[index]
+            return le_ints(self.data[4 * start : 4 * max(start, stop)])
+        i = index + n if index < 0 else index
+        if not 0 <= i < n:
+            raise IndexError("TokenIds index out of range")
+        return int.from_bytes(self.data[4 * i : 4 * i + 4], "little", signed=True)
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.tolist())

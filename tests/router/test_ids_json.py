@@ -117,6 +117,21 @@ def _declined(ids: Any, chat: bool) -> None:
     _same(raw, chat)
 
 
+@settings(max_examples=150, deadline=None)
+@given(extra_st, st.booleans())
+def test_bodies_without_ids_parse_as_orjson_does(extra: dict[str, Any], chat: bool) -> None:
+    body: dict[str, Any] = {"model": "m", **extra}
+    if chat:
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    else:
+        body["prompt"] = "hi"
+    raw = orjson.dumps(body)
+    fast = fast_body(raw, chat=chat)
+    assert fast is not None and fast[1] is None
+    assert orjson.dumps(fast[0]) == raw
+    _same(raw, chat)
+
+
 bad_element = st.one_of(
     st.booleans(),
     st.floats(allow_nan=False, allow_infinity=False),
