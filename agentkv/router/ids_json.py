@@ -18,7 +18,7 @@ of the rest of the body re-encoded (a ``\\u005b`` escape anywhere: the general p
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import orjson
@@ -26,7 +26,7 @@ import simdjson
 
 from agentkv.router.token_ids import MAX_TOKEN_ID, TokenIds
 
-__all__ = ["fast_body"]
+__all__ = ["fast_body", "tokenized"]
 
 _PARSER = simdjson.Parser()
 _OPEN, _BACKSLASH, _U, _ZERO, _FIVE, _B = b"[\\u05b"
@@ -98,24 +98,38 @@ def _flat(raw: bytes, rest: bytes) -> None:
         raise _General
 
 
-def _convert(doc: Any, raw: bytes, chat: bool) -> tuple[dict[str, Any], TokenIds | None]:
+_CHAT: Final = ("kv_transfer_params", "prompt_token_ids")
+_COMPLETION: Final = ("prompt",)
+_TOKENIZE: Final = ("tokens",)
+
+
+def _convert(
+    doc: Any, raw: bytes, where: tuple[str, ...]
+) -> tuple[dict[str, Any], TokenIds | None]:
+    """The object ``doc`` as orjson would make it, with the ids array at ``where`` (a key, or a
+    key and the key of the object under it) as :class:`TokenIds`."""
     if not isinstance(doc, simdjson.Object):
         raise _General
     body: dict[str, Any] = {}
     ids: TokenIds | None = None
     for key in _keys(doc):
         value = doc[key]
-        if chat and key == "kv_transfer_params" and isinstance(value, simdjson.Object):
+        if key != where[0]:
+            body[key] = _python(value)
+        elif len(where) == 2 and isinstance(value, simdjson.Object):
             params: dict[str, Any] = {}
             for inner in _keys(value):
                 item = value[inner]
-                if inner == "prompt_token_ids" and isinstance(item, simdjson.Array):
+                if inner == where[1] and isinstance(item, simdjson.Array):
                     ids = params[inner] = _ids(item)
                 else:
                     params[inner] = _python(item)
             body[key] = params
-        elif not chat and key == "prompt" and isinstance(value, simdjson.Array) and len(value):
-            nested = len(value) == 1 and isinstance(value[0], simdjson.Array)
+        elif len(where) == 1 and isinstance(value, simdjson.Array) and len(value):
+            # a completions prompt of ids may be a list of one list of ids
+            nested = (
+                where == _COMPLETION and len(value) == 1 and isinstance(value[0], simdjson.Array)
+            )
             target: Any = value[0] if nested else value
             if len(target) and type(target[0]) is int:
                 ids = _ids(target)
@@ -129,16 +143,27 @@ def _convert(doc: Any, raw: bytes, chat: bool) -> tuple[dict[str, Any], TokenIds
     return body, ids
 
 
-def fast_body(raw: bytes, *, chat: bool) -> tuple[dict[str, Any], TokenIds | None] | None:
-    """The body of a request and its ids (None: none), or None when the body takes the general
-    path (see the module's doc)."""
+def _parsed(raw: bytes, where: tuple[str, ...]) -> tuple[dict[str, Any], TokenIds | None] | None:
     try:
         try:
             doc = _PARSER.parse(raw)
         except RuntimeError:  # the shared parser's document is still referenced somewhere
             doc = simdjson.Parser().parse(raw)
-        return _convert(doc, raw, chat)
+        return _convert(doc, raw, where)
     except (_General, ValueError):
         return None
     finally:
         doc = None
+
+
+def fast_body(raw: bytes, *, chat: bool) -> tuple[dict[str, Any], TokenIds | None] | None:
+    """The body of a request and its ids (None: none), or None when the body takes the general
+    path (see the module's doc)."""
+    return _parsed(raw, _CHAT if chat else _COMPLETION)
+
+
+def tokenized(raw: bytes) -> TokenIds | None:
+    """The ``tokens`` of an engine's ``/tokenize`` answer, or None when the answer takes the
+    general path (orjson and :func:`~agentkv.router.request.checked_ids`)."""
+    parsed = _parsed(raw, _TOKENIZE)
+    return None if parsed is None else parsed[1]

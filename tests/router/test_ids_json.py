@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from agentkv.protocol.errors import APIError
 from agentkv.router.config import RouterConfig
-from agentkv.router.ids_json import fast_body
-from agentkv.router.request import MAX_TOKEN_ID, ClientRequest, parse_request
+from agentkv.router.ids_json import fast_body, tokenized
+from agentkv.router.request import MAX_TOKEN_ID, ClientRequest, checked_ids, parse_request
 from agentkv.router.token_ids import TokenIds
 
 CFG = RouterConfig.model_validate(
@@ -197,3 +197,15 @@ def test_whitespace_and_large_ids() -> None:
     fast = fast_body(raw, chat=False)
     assert fast is not None and fast[1] is not None and fast[1].tolist() == ids
     _same(raw, chat=False)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ids_st, st.one_of(st.none(), bad_element), st.integers(0, 300))
+def test_tokenize_answers_parse_as_checked_ids_does(ids: list[int], bad: Any, at: int) -> None:
+    if bad is not None:
+        ids.insert(min(at, len(ids)), bad)
+    raw = orjson.dumps({"count": len(ids), "max_model_len": 4096, "tokens": ids})
+    got = tokenized(raw)
+    want = checked_ids(orjson.loads(raw)["tokens"])
+    assert got is None if bad is not None else got == want
+    assert got is None or got.data == want.data  # type: ignore[union-attr]
