@@ -209,3 +209,11 @@ def test_tokenize_answers_parse_as_checked_ids_does(ids: list[int], bad: Any, at
     want = checked_ids(orjson.loads(raw)["tokens"])
     assert got is None if bad is not None else got == want
     assert got is None or got.data == want.data  # type: ignore[union-attr]
+
+
+def test_escapes_in_the_rest_keep_the_fast_path() -> None:
+    """Newlines, quotes and backslashes in the messages are escapes, not an escaped ``[``."""
+    raw = _chat([5, 6, 7], {"user": 'a\n"b"\\u005c [c]\t'})
+    fast = fast_body(raw, chat=True)
+    assert fast is not None and fast[1] is not None and fast[1].tolist() == [5, 6, 7]
+    _same(raw, chat=True)
