@@ -29,6 +29,9 @@ from agentkv.router.token_ids import MAX_TOKEN_ID, TokenIds
 __all__ = ["fast_body", "tokenized"]
 
 _PARSER = simdjson.Parser()
+"""Shared: a parser reuses its buffers (a fresh one per 1.5 MB body costs 3x the parse)."""
+_SHARED_UP_TO: Final = 16 << 20
+"""Bodies past this get a parser of their own (the shared one keeps its largest buffers)."""
 _OPEN, _BACKSLASH, _U, _ZERO, _FIVE, _B = b"[\\u05b"
 
 
@@ -150,17 +153,25 @@ def _convert(
     return body, ids
 
 
+def _document(raw: bytes) -> Any:
+    """simdjson's parse of ``raw`` (``ValueError``, ``RuntimeError``: not JSON it reads)."""
+    global _PARSER
+    if len(raw) > _SHARED_UP_TO:  # a parser of its own, whose buffers go with it
+        return simdjson.Parser().parse(raw)
+    try:
+        return _PARSER.parse(raw)
+    except RuntimeError as exc:
+        if not str(exc).startswith("Tried to re-use a parser"):
+            raise  # BIGINT_ERROR (a number past 64 bits) and the like
+        _PARSER = simdjson.Parser()  # a proxy of the last document is still alive somewhere
+        return _PARSER.parse(raw)
+
+
 def _parsed(raw: bytes, where: tuple[str, ...]) -> tuple[dict[str, Any], TokenIds | None] | None:
     try:
-        try:
-            doc = _PARSER.parse(raw)
-        except RuntimeError:  # the shared parser's document is still referenced somewhere
-            doc = simdjson.Parser().parse(raw)
-        return _convert(doc, raw, where)
-    except (_General, ValueError):
+        return _convert(_document(raw), raw, where)
+    except (_General, ValueError, RuntimeError):
         return None
-    finally:
-        doc = None
 
 
 def fast_body(raw: bytes, *, chat: bool) -> tuple[dict[str, Any], TokenIds | None] | None:

@@ -168,6 +168,7 @@ def test_shapes_the_old_parser_refused(ids: Any, chat: bool) -> None:
         b'{"prompt": [1, 2], "prompt": [3]}',  # duplicate keys: orjson keeps the last
         b'{"prompt": [1, [2]], "x": "\\u005b"}',  # an escaped [ could hide a nested one
         b'{"prompt": [1, 2], "seed": 99999999999999999999}',  # a number past uint64
+        b'{"prompt": [1, 2, 10000000000000000000000000000000000000000]}',  # BIGINT_ERROR
         b'{"prompt": [1, 2], "x": "\\ud800"}',  # a lone surrogate
         b'[{"prompt": [1]}]',
         b'{"prompt": [1, 2]',
@@ -217,3 +218,18 @@ def test_escapes_in_the_rest_keep_the_fast_path() -> None:
     fast = fast_body(raw, chat=True)
     assert fast is not None and fast[1] is not None and fast[1].tolist() == [5, 6, 7]
     _same(raw, chat=True)
+
+
+def test_a_live_proxy_of_the_shared_parser_does_not_break_the_next_parse(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from agentkv.router import ids_json
+
+    pinned = ids_json._PARSER.parse(b'{"a": [1]}')  # pins the shared parser's document
+    raw = _chat([1, 2], {})
+    fast = fast_body(raw, chat=True)
+    assert fast is not None and fast[1] == [1, 2]
+    del pinned
+    monkeypatch.setattr(ids_json, "_SHARED_UP_TO", 10)  # a large body: a parser of its own
+    fast = fast_body(raw, chat=True)
+    assert fast is not None and fast[1] == [1, 2]
