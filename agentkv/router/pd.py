@@ -299,7 +299,7 @@ class Router:
                 raise UpstreamError(end.status, end.body)
             raise APIError(end.status, end.message, param=end.param)
         receipt, urls = replace(end.receipt, found=turn.found), (end.prefill_url, end.decode_url)
-        account(self.metrics, req, list(end.prompt), receipt, *urls, span, turn.started)
+        account(self.metrics, req, len(end.prompt), receipt, *urls, span, turn.started)
         assert turn.response is not None
         return turn.response
 

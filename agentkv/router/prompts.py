@@ -12,6 +12,7 @@ import orjson
 from agentkv.protocol.errors import APIError, UpstreamError
 from agentkv.router.config import RouterConfig
 from agentkv.router.http import TransportError
+from agentkv.router.ids_json import tokenized
 from agentkv.router.logs import safe
 from agentkv.router.metrics import RouterMetrics
 from agentkv.router.request import ClientRequest, TokenIds, checked_ids
@@ -50,7 +51,10 @@ class Tokenizer:
             }
             if isinstance(body.get("prompt"), list):
                 body["prompt"] = body["prompt"][0]
-        ids = checked_ids((await self.ask("/tokenize", body)).get("tokens"))
+        raw = await self._answer("/tokenize", body)
+        ids = tokenized(raw)  # straight to int32 bytes, else as any answer
+        if ids is None:
+            ids = checked_ids(orjson.loads(raw).get("tokens"))
         if ids is None:
             raise APIError(502, "The prefill instance's /tokenize returned no token ids.")
         return ids
@@ -58,6 +62,10 @@ class Tokenizer:
     async def ask(self, path: str, body: dict[str, Any]) -> Any:
         """The JSON answer of a tokenizing instance (``upstream.tokenize_with``) to ``POST path``,
         tried on ``upstream.retries`` more when one fails; its 4xx is the client's error."""
+        return orjson.loads(await self._answer(path, body))
+
+    async def _answer(self, path: str, body: dict[str, Any]) -> bytes:
+        """:meth:`ask`'s answer as bytes."""
         engines = (
             self.pool.prefill
             if self.config.upstream.tokenize_with == "prefill"
@@ -76,7 +84,7 @@ class Tokenizer:
                 last = exc
                 continue
             if r.status == 200:
-                return r.json()
+                return r.body
             if r.status < 500:
                 raise UpstreamError(r.status, r.body)
             last = RuntimeError(f"{path} answered {r.status}")

@@ -133,7 +133,7 @@ def decode_found(headers: Mapping[str, str], body: Any = None) -> int | None:
 def account(
     metrics: RouterMetrics,
     req: ClientRequest,
-    ids: list[int],
+    prompt_tokens: int,
     r: Receipt,
     prefill_url: str | None,
     decode_url: str,
@@ -144,7 +144,7 @@ def account(
     metrics.requests.labels("chat" if req.chat else "completions", r.decision).inc()
     metrics.reused_tokens.inc(r.reused)
     metrics.verified_tokens.inc(r.verified)
-    metrics.prompt_tokens.inc(len(ids))
+    metrics.prompt_tokens.inc(prompt_tokens)
     if r.local is not None:
         metrics.local_prefix_tokens.inc(r.local)
     elif r.decision not in ON_D:  # straight to D: no P, no L to estimate
@@ -162,7 +162,7 @@ def account(
             "agentkv.verified_prefix_tokens": r.verified,
             "agentkv.local_prefix_tokens": -1 if r.local is None else r.local,
             "agentkv.identity": r.identity or "",
-            "agentkv.prompt_tokens": len(ids),
+            "agentkv.prompt_tokens": prompt_tokens,
             "agentkv.prefill.url": prefill_url or "",
             "agentkv.decode.url": decode_url,
             "agentkv.path.estimate_ms": -1.0 if r.estimate_s is None else r.estimate_s * 1000,
@@ -184,7 +184,7 @@ def account(
         r.reused,
         r.verified,
         "?" if r.local is None else r.local,
-        len(ids),
+        prompt_tokens,
         prefill_url or "-",
         decode_url,
         r.runner_up or "-",
@@ -199,7 +199,7 @@ def account(
             "reused": r.reused,
             "verified": r.verified,
             "local": r.local,
-            "prompt_tokens": len(ids),
+            "prompt_tokens": prompt_tokens,
             "runner_up": r.runner_up,
             "decode_cached_tokens": r.found,
         },

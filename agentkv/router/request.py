@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import math
 import re
-import sys
-from array import array
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,8 +26,10 @@ from agentkv.protocol import (
 from agentkv.protocol.errors import APIError
 from agentkv.protocol.http import json_object
 from agentkv.router.config import RouterConfig
+from agentkv.router.ids_json import fast_body
 from agentkv.router.session import conversation_of
 from agentkv.router.tenancy import ANONYMOUS, Caller
+from agentkv.router.token_ids import MAX_TOKEN_ID, TokenIds, int32_le, wire_ids
 
 __all__ = [
     "MAX_TOKEN_ID",
@@ -45,8 +44,6 @@ __all__ = [
 ]
 
 INT64_MAX = (1 << 63) - 1
-MAX_TOKEN_ID = (1 << 31) - 1
-"""The largest token id the router accepts (vocabularies are far below 2^31)."""
 _EPOCH = re.compile(r"-?[0-9]{1,19}")
 _SALT_FORBIDDEN = ("@", "/", "\\", "\0")
 _MAX_SALT = 128  # vLLM's limit on cache_salt
@@ -207,64 +204,15 @@ def _check_salt(value: Any) -> str | None:
     return value
 
 
-class TokenIds(list[int]):
-    """A prompt's token ids, checked once, with the two encodings a turn needs made once each:
-    ``data`` (int32 little-endian, what :mod:`~agentkv.router.verify` hashes) and ``wire``
-    (their JSON, spliced into P's and D's bodies by orjson without encoding them again).
-
-    The list is the one orjson parsed (or the tokenizer returned): the ids are never walked by
-    Python code."""
-
-    __slots__ = ("_data", "_json")
-
-    def __init__(self, ids: Iterable[int] = (), *, data: bytes | None = None) -> None:
-        super().__init__(ids)
-        self._data: bytes | None = data
-        self._json: bytes | None = None
-        if isinstance(ids, TokenIds):  # a copy keeps the encodings already made
-            self._data = ids._data if data is None else data
-            self._json = ids._json
-
-    @property
-    def data(self) -> bytes:
-        """The ids as int32 little-endian (``OverflowError`` past int32)."""
-        if self._data is None:
-            self._data = int32_le(self)
-        return self._data
-
-    @property
-    def wire(self) -> orjson.Fragment:
-        """The ids' JSON, for a body encoded by orjson."""
-        if self._json is None:
-            self._json = orjson.dumps(self)
-        return orjson.Fragment(self._json)
-
-
-def int32_le(ids: Iterable[int]) -> bytes:
-    """Token ids as int32 little-endian bytes (``OverflowError``, ``TypeError`` for what is not
-    an int32)."""
-    packed = array("i")
-    if isinstance(ids, list):
-        packed.fromlist(ids)  # twice as fast as array("i", ids), whatever the list's class
-    else:
-        packed.extend(ids)
-    if sys.byteorder == "big":
-        packed.byteswap()
-    return packed.tobytes()
-
-
-def wire_ids(ids: Sequence[int]) -> Any:
-    """What to put in a body for ``ids``: their JSON encoded once (:class:`TokenIds`), or the
-    list."""
-    return ids.wire if isinstance(ids, TokenIds) else list(ids)
-
-
 def checked_ids(value: Any) -> TokenIds | None:
     """``value`` as token ids (integers from 0 to :data:`MAX_TOKEN_ID`, at least one), or None.
 
     Checked in C, whatever the length: the int32 array refuses what is not an integer (and
     what is past int32), its sign bytes the negative ids, and the JSON (made anyway for the
-    engines) booleans, which the array would take for 0 and 1."""
+    engines) booleans, which the array would take for 0 and 1. Ids the body's parse made
+    (:mod:`~agentkv.router.ids_json`) are checked already."""
+    if isinstance(value, TokenIds):
+        return value
     if not isinstance(value, list) or not value:
         return None
     try:
@@ -273,10 +221,10 @@ def checked_ids(value: Any) -> TokenIds | None:
         return None
     if not data[3::4].isascii():  # a sign bit set: a negative id
         return None
-    ids = TokenIds(value, data=data)
     encoded = orjson.dumps(value)
     if b"t" in encoded or b"f" in encoded:  # true / false
         return None
+    ids = TokenIds(value, data=data)
     ids._json = encoded
     return ids
 
@@ -320,10 +268,14 @@ def parse_request(
     ``metadata.user_id``, are read there)."""
     if len(raw) > config.http.max_body_bytes:
         raise APIError(413, f"Request body larger than {config.http.max_body_bytes} bytes.")
-    try:
-        body = json_object(raw)
-    except ValueError as exc:
-        raise APIError(400, str(exc)) from exc
+    fast = fast_body(raw, chat=chat)
+    if fast is not None:
+        body = fast[0]
+    else:
+        try:
+            body = json_object(raw)
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from exc
     return parse_body(body, headers, chat=chat, session_body=session_body, caller=caller)
 
 
@@ -340,6 +292,14 @@ def parse_body(
     top-level fields are changed in place, nothing nested is. It must be what JSON can say
     (dicts, lists, strings, numbers, booleans, None), as a codec's conversion of parsed JSON
     is (the size limit is the client's own body's, checked as it was read)."""
+    # ids parsed as int32 bytes (ids_json) are checked already: the model sees one id instead
+    parsed = body.get("prompt")
+    if not isinstance(parsed, TokenIds) and not (
+        isinstance(parsed, list) and len(parsed) == 1 and isinstance(parsed[0], TokenIds)
+    ):
+        parsed = None
+    else:
+        body["prompt"] = [0] if isinstance(parsed, TokenIds) else [[0]]
     try:
         model = (_Chat if chat else _Completion).model_validate(body)
     except ValidationError as exc:
@@ -352,6 +312,8 @@ def parse_body(
             body[name] = (
                 value.model_dump(exclude_unset=True) if isinstance(value, BaseModel) else value
             )
+    if parsed is not None:
+        body["prompt"] = parsed
     client_salt = _check_salt(body.get("cache_salt"))
     epoch = _epoch(headers.get(HEADER_EPOCH.lower(), "0"))
     conversation, source = conversation_of(headers, session_body or body)
@@ -367,10 +329,14 @@ def parse_body(
         prompt_ids = _ids(params[BODY_PROMPT_TOKEN_IDS], "kv_transfer_params.prompt_token_ids")
     elif not chat:
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list | TokenIds):
             prompt = prompt[0]
-        if isinstance(prompt, list) and prompt and type(prompt[0]) is int:
+        if isinstance(prompt, TokenIds) or (
+            isinstance(prompt, list) and prompt and type(prompt[0]) is int
+        ):
             prompt_ids = _ids(prompt, "prompt")
+            # the body's prompt is their JSON (D's body replaces it with the same)
+            body["prompt"] = prompt_ids.wire if body["prompt"] is prompt else [prompt_ids.wire]
         elif isinstance(prompt, list) and len(prompt) != 1:
             raise APIError(
                 400, "The router serves one prompt per completions request.", param="prompt"

@@ -30,6 +30,7 @@ from typing import Literal, NamedTuple
 from agentkv.protocol import KVTransferParams
 from agentkv.router.request import TokenIds, int32_le
 from agentkv.router.store import DIGEST_SIZE, HASH_VERSION, StoredHandle, Taken, WireParams
+from agentkv.router.token_ids import le_ints
 
 __all__ = [
     "Held",
@@ -214,8 +215,8 @@ def verified_tokens(
         k = _common_blocks(hashes.upto(blocks), held)
     if k < blocks:
         return k * bs
-    tokens = hashes.prompt
-    tail = list(tokens[k * bs : k * bs + len(handle.tail_tokens)])
+    start = k * bs  # the tail's ids decoded from the prompt's bytes, no more
+    tail = le_ints(hashes.data[4 * start : 4 * (start + len(handle.tail_tokens))])
     if tail == handle.tail_tokens:
         return min(handle.num_tokens, k * bs + len(tail))
     return k * bs

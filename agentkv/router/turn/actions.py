@@ -388,7 +388,7 @@ class TurnInput:
     """The model the request is for (D's served model when it names none)."""
     cache_salt: str | None
     decode_urls: tuple[str, ...]
-    prompt_ids: list[int] | None = None
+    prompt_ids: Sequence[int] | None = None
     """The client's own ids (exact mode, or a completions prompt of ids)."""
     lease_s: float | None = None
     max_tokens: object = None

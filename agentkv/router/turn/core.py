@@ -16,7 +16,6 @@ from agentkv.router.config import RouterConfig
 from agentkv.router.identity import Resolved
 from agentkv.router.paths import PATHS, Choice, DecodeBudget, TurnState, choose
 from agentkv.router.receipt import Receipt
-from agentkv.router.request import TokenIds
 from agentkv.router.sse import Captured
 from agentkv.router.store import StoredHandle, StoreKey, Taken
 from agentkv.router.turn.actions import (
@@ -75,7 +74,7 @@ class _Prefilled:
 def turn_plan(t: TurnInput, cfg: RouterConfig) -> Turn:
     """One turn, from the prompt's ids to D's first byte."""
     resolved: Resolved = yield Resolve()
-    ids = TokenIds(resolved.ids) if resolved.ids is not None else t.prompt_ids
+    ids = resolved.ids if resolved.ids is not None else t.prompt_ids
     if ids is None:
         ids = yield Tokenize()
     refused = _check_context(len(ids), t.max_tokens, t.context_limit)
