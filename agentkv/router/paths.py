@@ -27,17 +27,18 @@ A vLLM engine always computes at least the last prompt token, so every cached co
 (P recomputes).
 
 Load: a prefill waits for the prompt tokens its engine is already prefilling (one GPU's compute),
-so a P path adds ``qP × P's per-token prefill`` (``qP``: the prompt tokens queued on P) and a
-decode-side path ``qD × D's per-token prefill`` (``qD``: D's prompt tokens in flight). A path is
-ranked by its **cost**: its TTFT plus what it adds to other requests' latency; a decode-side
-path's ``new`` prefill tokens make every one of D's ``S`` running streams wait
-``slowdown × new`` longer in all, so its cost adds ``S × slowdown × new`` (a P path's prefill
-slows no stream: P runs none).
+so a P path adds ``qP × P's per-token prefill`` (``qP``: the prompt tokens queued on P) to P's
+part. D's queue (``qD × D's per-token prefill``, ``qD``: D's prompt tokens in flight) drains while
+a turn does what comes before D's compute: a P path's first decode step starts at
+``max(P's part + t(N − g), D's queue)``, a decode-side path's prefill at ``max(o + load, D's
+queue)`` (as the simulator schedules them).
 
 The decode-side paths (``decode``, ``cpu``) prefill on D, which slows D's running streams: each
 of their steps is longer by ``slowdown × min(tokens in flight, max_num_batched_tokens)`` while the
-prefill runs. They are allowed only when the new tokens are at most ``budget.max_new_tokens`` and
-D's prompt tokens in flight, these included, stay within ``budget.tokens_in_flight``.
+prefill runs, and each of D's ``S`` running streams waits ``slowdown × new`` longer in all. That
+interference is D's budget, a constraint, not a cost: a decode-side path is allowed only when its
+new tokens are at most ``budget.max_new_tokens`` and D's prompt tokens in flight, these included,
+stay within ``budget.tokens_in_flight``. The allowed path with the lowest estimated TTFT wins.
 
 The router's turn core (:mod:`agentkv.router.turn`) calls :func:`choose` on every turn with a
 verified handle (config ``paths.mode``); :class:`InFlight` is its per-D count of tokens in flight.
@@ -237,12 +238,8 @@ class Estimate:
     d_itl_added_s: float = 0.0
     """What each step of D's running streams gains while this turn prefills on D."""
     d_streams_delay_s: float = 0.0
-    """What this turn's prefill on D adds to the latency of D's running streams, summed."""
-
-    @property
-    def cost_s(self) -> float:
-        """What :func:`choose` ranks by: the TTFT and the delay the path adds to others."""
-        return self.ttft_s + self.d_streams_delay_s
+    """What this turn's prefill on D adds to the latency of D's running streams, summed (what
+    D's budget bounds; not ranked)."""
 
 
 @dataclass(frozen=True)
@@ -275,13 +272,12 @@ def estimate(state: TurnState, curves: Curves) -> tuple[dict[Path, Estimate], di
     out: dict[Path, Estimate] = {}
     why: dict[Path, str] = {}
 
+    queue_d = curves.queue_d_s(state.d_in_flight_tokens)
+
     def p_turn(path: Path, read: int, ctx: int) -> None:
-        out[path] = Estimate(
-            path,
-            o + queue_p + curves.transfer_s(read) + curves.prefill_p_s(n - ctx, ctx) + to_d + first,
-            n - ctx,
-            read + (n - g),
-        )
+        # D's step waits for what is left of D's queue once the KV has reached it
+        at_d = o + queue_p + curves.transfer_s(read) + curves.prefill_p_s(n - ctx, ctx) + to_d
+        out[path] = Estimate(path, max(at_d, queue_d) + first, n - ctx, read + (n - g))
 
     p_turn("recompute", 0, 0)
     if local > 0:
@@ -303,7 +299,7 @@ def estimate(state: TurnState, curves: Curves) -> tuple[dict[Path, Estimate], di
         new = n - ctx
         out[path] = Estimate(
             path,
-            o + load_s + curves.queue_d_s(state.d_in_flight_tokens) + curves.prefill_d_s(new, ctx),
+            max(o + load_s, queue_d) + curves.prefill_d_s(new, ctx),
             new,
             loaded,
             curves.itl_added_s(state.d_in_flight_tokens + new),
@@ -327,9 +323,9 @@ def estimate(state: TurnState, curves: Curves) -> tuple[dict[Path, Estimate], di
 def choose(
     state: TurnState, curves: Curves | None = None, budget: DecodeBudget | None = None
 ) -> Choice:
-    """The cheapest path by estimated cost (:attr:`Estimate.cost_s`: its TTFT and the delay it
-    adds to D's running streams) among those D's budget allows (ties: the order of
-    :data:`PATHS`), and the runner-up's estimate."""
+    """The path with the lowest estimated TTFT among those D's interference budget allows (ties:
+    the order of :data:`PATHS`), and the runner-up's estimate. What a decode-side path costs D's
+    running streams is the budget's to bound, not added to its TTFT."""
     curves = curves or Curves()
     budget = budget or DecodeBudget()
     estimates, excluded = estimate(state, curves)
@@ -349,7 +345,7 @@ def choose(
                 )
                 continue
         allowed.append(e)
-    ranked = sorted(allowed, key=lambda e: (e.cost_s, PATHS.index(e.path)))
+    ranked = sorted(allowed, key=lambda e: (e.ttft_s, PATHS.index(e.path)))
     best = ranked[0]  # recompute is always there
     second = ranked[1] if len(ranked) > 1 else None
     return Choice(

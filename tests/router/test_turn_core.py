@@ -994,19 +994,17 @@ PATH_ROWS: list[tuple[str, World, RouterConfig, dict[str, Any], list[str], str]]
         "answered p1->d1 [pull M=32 C=32 L=0 next=recompute]",
     ),
     (
-        "400 streams on D: its 8 new tokens would delay them more than a read back costs: pull",
-        World([fresh(H1)], prefill=[(P1, 0, DONE)], decode=[(D1, STARTED)], running={D1: 400}),
+        "400 streams on D: what its 8 new tokens delay them is the budget's to bound, not "
+        "a cost: in place",
+        World([fresh(H1)], decode=[(D1, STARTED)], reserve=[True], running={D1: 400}),
         CHOOSE,
         {},
         [
-            "resolve",
-            "candidates",
-            "take h1",
-            *PULL,
-            "pick-decode d1,d2 holder=d1",
-            "decode d1 via p1 [pull M=32 C=32 L=0 next=recompute]",
+            *IN_PLACE,
+            "decode d1 in place [decode M=0 C=32 L=? next=recompute]",
+            "release h1 superseded",
         ],
-        "answered p1->d1 [pull M=32 C=32 L=0 next=recompute]",
+        "answered in place->d1 [decode M=0 C=32 L=? next=recompute]",
     ),
     (
         "400 streams on the other D, and P's queue long: in place on the D that holds the handle",

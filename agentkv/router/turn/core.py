@@ -204,7 +204,7 @@ def _estimated(receipt: Receipt, choice: Choice) -> Receipt:
         for path, e in choice.estimates.items()
         if path != receipt.decision and path not in choice.excluded
     ]
-    best = min(others, key=lambda e: (e.cost_s, PATHS.index(e.path)), default=None)
+    best = min(others, key=lambda e: (e.ttft_s, PATHS.index(e.path)), default=None)
     return replace(
         receipt,
         estimate_s=taken.ttft_s,
