@@ -2,38 +2,35 @@
 
 from __future__ import annotations
 
-import json
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from operator import itemgetter
 from typing import Any, Literal, cast
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
-from langchain_core.messages import (
-    AIMessage,
-    AIMessageChunk,
-    BaseMessage,
-    ChatMessage,
-    HumanMessage,
-    SystemMessage,
-    ToolMessage,
-)
-from langchain_core.messages.ai import UsageMetadata
-from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable, RunnableConfig, RunnableMap, RunnablePassthrough
 from langchain_core.runnables.config import ensure_config
 from langchain_core.tools import BaseTool
-from langchain_core.utils.function_calling import convert_to_openai_function, convert_to_openai_tool
+from langchain_core.utils.function_calling import convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
-from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr
 
 import agentkv
-from agentkv.adapters import PoolMethods, pool_for, reasoning_text, turn_metadata
+from agentkv.adapters import PoolMethods, pool_for, turn_metadata
 from agentkv.pool import AnyConversation, ConversationPool, StateStore, Turn, TurnCallback
+from langchain_agentkv._messages import openai_tool_choice, response_format
+from langchain_agentkv._messages import to_openai_message as to_openai_message  # re-exported here
+from langchain_agentkv._outputs import (
+    add_usage,
+    ai_message,
+    generation_chunk,
+    result_from_chunks,
+    to_usage_metadata,
+)
 
 __all__ = ["ChatAgentKV"]
 
@@ -176,7 +173,7 @@ class ChatAgentKV(BaseChatModel, PoolMethods):
         for output in llm_outputs:
             for name, value in ((output or {}).get("token_usage") or {}).items():
                 if value is not None:
-                    total[name] = _add_usage(total.get(name), value)
+                    total[name] = add_usage(total.get(name), value)
         return {"token_usage": total, "model_name": self.model}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> Any:
@@ -204,7 +201,7 @@ class ChatAgentKV(BaseChatModel, PoolMethods):
     ) -> ChatResult:
         if self.streaming:
             chunks = self._stream(messages, stop, run_manager, **kwargs)
-            return _from_chunks(list(chunks))
+            return result_from_chunks(list(chunks))
         key, wire, tools, params = self._request(messages, stop, run_manager, kwargs)
         turn = self._pool.run(key, wire, tools, **params)
         return self._result(turn)
@@ -218,7 +215,7 @@ class ChatAgentKV(BaseChatModel, PoolMethods):
     ) -> ChatResult:
         if self.streaming:
             chunks = [c async for c in self._astream(messages, stop, run_manager, **kwargs)]
-            return _from_chunks(chunks)
+            return result_from_chunks(chunks)
         key, wire, tools, params = self._request(messages, stop, run_manager, kwargs)
         turn = await self._pool.arun(key, wire, tools, **params)
         return self._result(turn)
@@ -236,7 +233,7 @@ class ChatAgentKV(BaseChatModel, PoolMethods):
         usage, name = None, None
         for raw in chunks:
             usage, name = raw.usage or usage, raw.model or name
-            chunk = _chunk(raw)
+            chunk = generation_chunk(raw)
             if chunk is not None:
                 if run_manager is not None:
                     run_manager.on_llm_new_token(chunk.text, chunk=chunk)
@@ -259,7 +256,7 @@ class ChatAgentKV(BaseChatModel, PoolMethods):
         usage, name = None, None
         async for raw in chunks:
             usage, name = raw.usage or usage, raw.model or name
-            chunk = _chunk(raw)
+            chunk = generation_chunk(raw)
             if chunk is not None:
                 if run_manager is not None:
                     await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
@@ -285,7 +282,7 @@ class ChatAgentKV(BaseChatModel, PoolMethods):
         tool's name."""
         formatted = [convert_to_openai_tool(t, strict=strict) for t in tools]
         if tool_choice is not None and tool_choice is not False:
-            kwargs["tool_choice"] = _tool_choice(tool_choice)
+            kwargs["tool_choice"] = openai_tool_choice(tool_choice)
         if parallel_tool_calls is not None:
             kwargs["parallel_tool_calls"] = parallel_tool_calls
         return super().bind(tools=formatted, **kwargs)
@@ -318,7 +315,7 @@ class ChatAgentKV(BaseChatModel, PoolMethods):
         if method == "json_schema":
             if schema is None:
                 raise ValueError("schema must be given unless method='json_mode'")
-            bound: dict[str, Any] = {"response_format": _response_format(schema, strict)}
+            bound: dict[str, Any] = {"response_format": response_format(schema, strict)}
             if tools:
                 bound["tools"] = [convert_to_openai_tool(t, strict=strict) for t in tools]
             output_format: Any = convert_to_openai_tool(schema)
@@ -413,7 +410,7 @@ class ChatAgentKV(BaseChatModel, PoolMethods):
     def _result(self, turn: Turn) -> ChatResult:
         completion = turn.completion
         assert completion is not None
-        message = _ai_message(completion)
+        message = ai_message(completion)
         message.response_metadata["agentkv"] = turn_metadata(turn)
         # on_llm_end's llm_output, as ChatOpenAI's: the usage as the server reported it
         llm_output: dict[str, Any] = {
@@ -430,7 +427,7 @@ class ChatAgentKV(BaseChatModel, PoolMethods):
         message = AIMessageChunk(
             content="",
             response_metadata=metadata,
-            usage_metadata=_usage(usage),
+            usage_metadata=to_usage_metadata(usage),
             chunk_position="last",
         )
         return ChatGenerationChunk(message=message)
@@ -453,222 +450,3 @@ def _thread_kwarg(config: RunnableConfig | None, kwargs: dict[str, Any]) -> None
     thread = ((config or {}).get("metadata") or {}).get("thread_id") or thread
     if thread and not kwargs.get("conversation_id"):
         kwargs["conversation_id"] = str(thread)
-
-
-def _add_usage(total: Any, value: Any) -> Any:
-    if isinstance(value, Mapping):
-        base = total if isinstance(total, Mapping) else {}
-        return {k: _add_usage(base.get(k), v) for k, v in {**base, **value}.items()}
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return (total if isinstance(total, int | float) else 0) + value
-    return value if total is None else total
-
-
-def _response_format(schema: dict[str, Any] | type, strict: bool | None) -> dict[str, Any]:
-    """``response_format`` for ``method="json_schema"`` (as langchain-openai builds it)."""
-    if isinstance(schema, dict) and schema.get("type") == "json_schema" and "json_schema" in schema:
-        return schema
-    if isinstance(schema, dict) and "name" in schema and "schema" in schema:
-        return {"type": "json_schema", "json_schema": schema}
-    if strict is None:
-        given = schema.get("strict") if isinstance(schema, dict) else None
-        strict = given if isinstance(given, bool) else False
-    function = dict(convert_to_openai_function(schema, strict=strict))
-    function["schema"] = function.pop("parameters")
-    return {"type": "json_schema", "json_schema": function}
-
-
-# -- conversions ---------------------------------------------------------------------------------
-def _text(content: str | list[str | dict[str, Any]]) -> str:
-    if isinstance(content, str):
-        return content
-    parts = []
-    for part in content:
-        if isinstance(part, str):
-            parts.append(part)
-        elif part.get("type") == "text":
-            parts.append(str(part.get("text", "")))
-    return "".join(parts)
-
-
-def _user_content(content: str | list[str | dict[str, Any]]) -> str | list[dict[str, Any]]:
-    if isinstance(content, str):
-        return content
-    if all(isinstance(p, str) or p.get("type") == "text" for p in content):
-        return _text(content)
-    return [{"type": "text", "text": p} if isinstance(p, str) else dict(p) for p in content]
-
-
-def to_openai_message(message: BaseMessage) -> dict[str, Any]:
-    """A LangChain message as an OpenAI chat message (what agentkv's ledger holds)."""
-    if isinstance(message, SystemMessage):
-        role = "developer" if message.additional_kwargs.get("__openai_role__") else "system"
-        return {"role": role, "content": _text(message.content)}
-    if isinstance(message, HumanMessage):
-        return {"role": "user", "content": _user_content(message.content)}
-    if isinstance(message, AIMessage):
-        out: dict[str, Any] = {"role": "assistant", "content": _text(message.content)}
-        raw = {c.get("id"): c for c in message.additional_kwargs.get("tool_calls") or []}
-        calls: list[dict[str, Any]] = []
-        for call in message.tool_calls:
-            original = raw.get(call.get("id"))
-            arguments = (original or {}).get("function", {}).get("arguments")
-            if not isinstance(arguments, str):
-                arguments = json.dumps(call["args"])
-            calls.append(
-                {
-                    "id": call.get("id"),
-                    "type": "function",
-                    "function": {"name": call["name"], "arguments": arguments},
-                }
-            )
-        for bad in message.invalid_tool_calls:
-            calls.append(
-                {
-                    "id": bad.get("id"),
-                    "type": "function",
-                    "function": {"name": bad.get("name"), "arguments": bad.get("args") or ""},
-                }
-            )
-        if calls:
-            out["tool_calls"] = calls
-            out["content"] = out["content"] or None
-        return out
-    if isinstance(message, ToolMessage):
-        return {
-            "role": "tool",
-            "tool_call_id": message.tool_call_id,
-            "content": _text(message.content),
-        }
-    if isinstance(message, ChatMessage):
-        return {"role": message.role, "content": _text(message.content)}
-    raise TypeError(f"ChatAgentKV cannot send a {type(message).__name__}")
-
-
-def _tool_choice(choice: str | bool | dict[str, Any]) -> str | dict[str, Any]:
-    if isinstance(choice, dict):
-        return choice
-    if choice is True or choice == "any":
-        return "required"
-    if choice in ("auto", "none", "required"):
-        return str(choice)
-    return {"type": "function", "function": {"name": choice}}
-
-
-def _usage(usage: Any) -> UsageMetadata | None:
-    if usage is None:
-        return None
-    data: Mapping[str, Any] = usage if isinstance(usage, Mapping) else usage.model_dump()
-    cached = (data.get("prompt_tokens_details") or {}).get("cached_tokens")
-    prompt = int(data.get("prompt_tokens") or 0)
-    completion = int(data.get("completion_tokens") or 0)
-    meta: dict[str, Any] = {
-        "input_tokens": prompt,
-        "output_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
-    if cached is not None:
-        meta["input_token_details"] = {"cache_read": int(cached)}
-    return cast(UsageMetadata, meta)
-
-
-def _ai_message(completion: ChatCompletion) -> AIMessage:
-    choice = completion.choices[0]
-    msg = choice.message
-    calls, invalid = [], []
-    for raw in msg.tool_calls or []:
-        fn = getattr(raw, "function", None)
-        if fn is None:
-            continue
-        try:
-            args = json.loads(fn.arguments or "{}")
-            if not isinstance(args, dict):
-                raise ValueError("tool arguments must be a JSON object")
-            calls.append(tool_call(name=fn.name, args=args, id=raw.id))
-        except ValueError as exc:
-            invalid.append(
-                invalid_tool_call(name=fn.name, args=fn.arguments, id=raw.id, error=str(exc))
-            )
-    additional: dict[str, Any] = {}
-    if msg.tool_calls:
-        additional["tool_calls"] = [c.model_dump(exclude_none=True) for c in msg.tool_calls]
-    if reasoning := reasoning_text(msg):
-        additional["reasoning_content"] = reasoning
-    return AIMessage(
-        content=msg.content or "",
-        tool_calls=calls,
-        invalid_tool_calls=invalid,
-        additional_kwargs=additional,
-        response_metadata={
-            "model_name": completion.model,
-            "model_provider": "agentkv",
-            "finish_reason": choice.finish_reason,
-        },
-        usage_metadata=_usage(completion.usage),
-        id=completion.id,
-    )
-
-
-def _chunk(raw: ChatCompletionChunk) -> ChatGenerationChunk | None:
-    """A delta as a LangChain chunk (None for the usage chunk: the last chunk carries it)."""
-    if not raw.choices:
-        return None
-    choice = raw.choices[0]
-    delta = choice.delta
-    additional: dict[str, Any] = {}
-    if reasoning := reasoning_text(delta):
-        additional["reasoning_content"] = reasoning
-    calls = [
-        tool_call_chunk(
-            name=c.function.name if c.function else None,
-            args=c.function.arguments if c.function else None,
-            id=c.id,
-            index=c.index,
-        )
-        for c in delta.tool_calls or []
-    ]
-    metadata: dict[str, Any] = {"model_provider": "agentkv"}
-    if choice.finish_reason:
-        metadata["finish_reason"] = choice.finish_reason
-    message = AIMessageChunk(
-        content=delta.content or "",
-        tool_call_chunks=calls,
-        additional_kwargs=additional,
-        response_metadata=metadata,
-        id=raw.id,
-    )
-    return ChatGenerationChunk(message=message)
-
-
-def _from_chunks(chunks: Sequence[ChatGenerationChunk]) -> ChatResult:
-    if not chunks:
-        raise agentkv.AgentKVError("the stream ended without a chunk")
-    total = chunks[0]
-    for chunk in chunks[1:]:
-        total += chunk
-    message = total.message
-    assert isinstance(message, AIMessageChunk)
-    final = AIMessage(
-        content=message.content,
-        tool_calls=message.tool_calls,
-        invalid_tool_calls=message.invalid_tool_calls,
-        additional_kwargs=message.additional_kwargs,
-        response_metadata=message.response_metadata,
-        usage_metadata=message.usage_metadata,
-        id=message.id,
-    )
-    usage = message.usage_metadata
-    token_usage = None
-    if usage is not None:
-        token_usage = {
-            "prompt_tokens": usage["input_tokens"],
-            "completion_tokens": usage["output_tokens"],
-            "total_tokens": usage["total_tokens"],
-        }
-        cached = (usage.get("input_token_details") or {}).get("cache_read")
-        if cached is not None:
-            token_usage["prompt_tokens_details"] = {"cached_tokens": cached}
-    return ChatResult(
-        generations=[ChatGeneration(message=final)],
-        llm_output={"token_usage": token_usage, "model_provider": "agentkv"},
-    )
