@@ -25,35 +25,20 @@ from llama_index.core.base.llms.types import (
     CompletionResponse,
     CompletionResponseAsyncGen,
     CompletionResponseGen,
-    ImageBlock,
     LLMMetadata,
     MessageRole,
-    TextBlock,
-    ThinkingBlock,
     ToolCallBlock,
 )
 from llama_index.core.bridge.pydantic import Field, PrivateAttr, SecretStr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
-from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from llama_index.llms.agentkv._convert import StreamAccumulator, chat_response, openai_tool_choice
+from llama_index.llms.agentkv._convert import to_openai_message as to_openai_message  # re-exported
 
 import agentkv
-from agentkv.adapters import (
-    PoolMethods,
-    bind_conversation,
-    pool_for,
-    reasoning_text,
-    turn_metadata,
-)
-from agentkv.pool import (
-    AnyConversation,
-    ConversationPool,
-    StateStore,
-    Turn,
-    TurnCallback,
-    served_models,
-)
+from agentkv.adapters import PoolMethods, bind_conversation, pool_for
+from agentkv.pool import AnyConversation, ConversationPool, StateStore, TurnCallback, served_models
 
 if TYPE_CHECKING:
     from llama_index.core.tools.types import BaseTool
@@ -208,14 +193,14 @@ class AgentKV(FunctionCallingLLM, PoolMethods):
         key, wire, tools, params = self._request(messages, kwargs)
         turn = self._pool.run(key, wire, tools, **params)
         assert turn.completion is not None
-        return _response(turn.completion, turn)
+        return chat_response(turn.completion, turn)
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         key, wire, tools, params = self._request(messages, kwargs)
         turn = await self._pool.arun(key, wire, tools, **params)
         assert turn.completion is not None
-        return _response(turn.completion, turn)
+        return chat_response(turn.completion, turn)
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
@@ -223,7 +208,7 @@ class AgentKV(FunctionCallingLLM, PoolMethods):
 
         def gen() -> ChatResponseGen:
             turn, chunks = self._pool.stream(key, wire, tools, **params)
-            acc = _Accumulator()
+            acc = StreamAccumulator()
             for chunk in chunks:
                 if (response := acc.add(chunk)) is not None:
                     yield response
@@ -239,7 +224,7 @@ class AgentKV(FunctionCallingLLM, PoolMethods):
 
         async def gen() -> ChatResponseAsyncGen:
             turn, chunks = await self._pool.astream(key, wire, tools, **params)
-            acc = _Accumulator()
+            acc = StreamAccumulator()
             async for chunk in chunks:
                 if (response := acc.add(chunk)) is not None:
                     yield response
@@ -291,7 +276,7 @@ class AgentKV(FunctionCallingLLM, PoolMethods):
         prepared: dict[str, Any] = {"messages": messages, **kwargs}
         if specs:
             prepared["tools"] = specs
-            prepared["tool_choice"] = _tool_choice(tool_choice, tool_required)
+            prepared["tool_choice"] = openai_tool_choice(tool_choice, tool_required)
         return prepared
 
     def _validate_chat_with_tools_response(
@@ -365,149 +350,3 @@ class AgentKV(FunctionCallingLLM, PoolMethods):
             options = params.get("stream_options") or {}
             params["stream_options"] = {**options, "include_usage": True}
         return key, [to_openai_message(m) for m in messages], tools, params
-
-
-# -- conversions ---------------------------------------------------------------------------------
-def _tool_choice(choice: str | dict[str, Any] | None, required: bool) -> str | dict[str, Any]:
-    if choice is None:
-        return "required" if required else "auto"
-    if isinstance(choice, dict) or choice in ("none", "auto", "required"):
-        return choice
-    return {"type": "function", "function": {"name": choice}}
-
-
-def _raw_call(call: Any) -> dict[str, Any]:
-    data = call.model_dump() if hasattr(call, "model_dump") else dict(call)
-    fn = data.get("function") or {}
-    args = fn.get("arguments")
-    return {
-        "id": data.get("id"),
-        "type": "function",
-        "function": {
-            "name": fn.get("name"),
-            "arguments": args if isinstance(args, str) else json.dumps(args or {}),
-        },
-    }
-
-
-def to_openai_message(message: ChatMessage) -> dict[str, Any]:
-    """A LlamaIndex chat message as an OpenAI chat message (what agentkv's ledger holds)."""
-    role = message.role.value
-    if role in ("chatbot", "model"):
-        role = "assistant"
-    texts: list[str] = []
-    parts: list[dict[str, Any]] = []
-    calls: list[dict[str, Any]] = []
-    for block in message.blocks:
-        if isinstance(block, TextBlock):
-            texts.append(block.text)
-            parts.append({"type": "text", "text": block.text})
-        elif isinstance(block, ToolCallBlock):
-            args = block.tool_kwargs
-            calls.append(
-                {
-                    "id": block.tool_call_id,
-                    "type": "function",
-                    "function": {
-                        "name": block.tool_name,
-                        "arguments": args if isinstance(args, str) else json.dumps(args),
-                    },
-                }
-            )
-        elif isinstance(block, ImageBlock) and block.url is not None:
-            parts.append({"type": "image_url", "image_url": {"url": str(block.url)}})
-        elif isinstance(block, ThinkingBlock):
-            continue  # the ledger keeps the reasoning as generated
-        else:
-            raise TypeError(f"AgentKV cannot send a {type(block).__name__}")
-    text = "\n".join(texts)
-    if role == "tool":
-        call_id = message.additional_kwargs.get("tool_call_id")
-        return {"role": "tool", "tool_call_id": call_id, "content": text}
-    if not calls and role == "assistant":
-        calls = [_raw_call(c) for c in message.additional_kwargs.get("tool_calls") or []]
-    if calls:
-        return {"role": "assistant", "content": text or None, "tool_calls": calls}
-    if role == "user" and len(parts) != len(texts):
-        return {"role": "user", "content": parts}
-    return {"role": role, "content": text}
-
-
-def _message(content: str, reasoning: str | None, calls: list[dict[str, Any]]) -> ChatMessage:
-    blocks: list[Any] = []
-    if reasoning:
-        blocks.append(ThinkingBlock(content=reasoning))
-    if content:
-        blocks.append(TextBlock(text=content))
-    for call in calls:
-        blocks.append(
-            ToolCallBlock(
-                tool_call_id=call["id"],
-                tool_name=call["function"]["name"],
-                tool_kwargs=call["function"]["arguments"],
-            )
-        )
-    extra: dict[str, Any] = {"tool_calls": calls} if calls else {}
-    return ChatMessage(role=MessageRole.ASSISTANT, blocks=blocks, additional_kwargs=extra)
-
-
-def _response(completion: ChatCompletion, turn: Turn) -> ChatResponse:
-    msg = completion.choices[0].message
-    calls = [_raw_call(c) for c in msg.tool_calls or []]
-    usage = completion.usage.model_dump() if completion.usage else {}
-    return ChatResponse(
-        message=_message(msg.content or "", reasoning_text(msg), calls),
-        raw=completion,
-        additional_kwargs={"agentkv": turn_metadata(turn), "usage": usage},
-    )
-
-
-class _Accumulator:
-    """A streamed turn as LlamaIndex streams it: the whole message so far, plus the delta."""
-
-    def __init__(self) -> None:
-        self.content = ""
-        self.reasoning = ""
-        self.calls: dict[int, dict[str, Any]] = {}
-        self.usage: dict[str, Any] = {}
-        self.usage_chunk: ChatCompletionChunk | None = None
-
-    def _calls(self) -> list[dict[str, Any]]:
-        return [self.calls[i] for i in sorted(self.calls)]
-
-    def add(self, chunk: ChatCompletionChunk) -> ChatResponse | None:
-        if chunk.usage is not None:
-            self.usage = chunk.usage.model_dump()
-            self.usage_chunk = chunk
-        if not chunk.choices:
-            return None
-        delta = chunk.choices[0].delta
-        text = delta.content or ""
-        thinking = reasoning_text(delta) or ""
-        self.content += text
-        self.reasoning += thinking
-        for call in delta.tool_calls or []:
-            slot = self.calls.setdefault(
-                call.index,
-                {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
-            )
-            slot["id"] = call.id or slot["id"]
-            if call.function is not None:
-                slot["function"]["name"] += call.function.name or ""
-                slot["function"]["arguments"] += call.function.arguments or ""
-        return ChatResponse(
-            message=_message(self.content, self.reasoning or None, self._calls()),
-            delta=text,
-            raw=chunk,
-            additional_kwargs={"thinking_delta": thinking} if thinking else {},
-        )
-
-    def final(self, turn: Turn) -> ChatResponse:
-        """The whole message, the receipt and the usage (``raw``: the usage chunk, where
-        LlamaIndex's token counting reads ``usage``)."""
-        return ChatResponse(
-            message=_message(self.content, self.reasoning or None, self._calls()),
-            delta="",
-            raw=self.usage_chunk,
-            additional_kwargs={"agentkv": turn_metadata(turn), "usage": self.usage},
-        )
