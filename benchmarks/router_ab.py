@@ -29,8 +29,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._loadgen import ROOT, Proc, one_p_one_d, start_router
-from benchmarks._turns import STREAMED, Material, Target, drive
-from benchmarks.router_overhead import (
+from benchmarks._overhead_setup import (
     D_TTL_S,
     LENGTHS,
     ROUTER_DEADLINES,
@@ -39,6 +38,7 @@ from benchmarks.router_overhead import (
     sim_args,
     tree_cpu,
 )
+from benchmarks._turns import STREAMED, Material, Target, drive
 
 KINDS = ("exact", "chat", "messages", "responses")
 
