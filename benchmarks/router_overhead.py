@@ -216,7 +216,14 @@ TARGET_LINES = [
     "  `prompt_cache_key`);",
     "- **P then D (client)**: the client does the exact-ids P then D steps itself (the",
     "  baseline for the router's added latency).",
+    "",
+    'Every agentkv router here has `paths.mode = "pull"`: each turn goes P then D, the',
+    "path vLLM's proxy and the floor take (the default, `choose`, would decode a turn's few",
+    "new tokens on D in place and skip P).",
 ]
+
+PULL = {"mode": "pull"}
+"""``[paths]`` of every router here: P then D on every turn, like vLLM's proxy."""
 
 MEASURE_LINES = [
     "*CPU ms/turn* is the proxy process's CPU time (`/proc`, user + system) per",
@@ -404,6 +411,7 @@ def memory_phase(
         cfg = engines.router_config(
             retention={"decoder_kv_blocks_ttl_s": ttl, "ttl_margin_s": 10.0},
             upstream=ROUTER_DEADLINES,
+            paths=PULL,
         )
         mat = Material(p.url, d.url, length)
         starters: list[tuple[str, str, Any]] = []
@@ -509,6 +517,7 @@ def main() -> None:
         cfg = engines.router_config(
             retention={"decoder_kv_blocks_ttl_s": D_TTL_S, "ttl_margin_s": 10.0},
             upstream=ROUTER_DEADLINES,
+            paths=PULL,
         )
 
         def wanted(key: str) -> bool:
