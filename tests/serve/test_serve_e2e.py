@@ -92,7 +92,9 @@ def test_serve_runs_a_conversation_and_stops_cleanly(tmp_path):
             for i in range(3):
                 conv.add_user(f"question {i}")
                 conv.create(max_tokens=80)
-        assert [r.decision for r in conv.receipts] == ["miss", "pull", "pull"]
+        # the router's default paths.mode, choose: the short follow-ups decode on D in place
+        assert [r.decision for r in conv.receipts] == ["miss", "decode", "decode"]
+        assert all((r.cached_tokens or 0) > 0 for r in conv.receipts[1:]), conv.receipts
         proc.process.send_signal(signal.SIGTERM)
         out = finish(proc)
         assert proc.returncode == 0, out
