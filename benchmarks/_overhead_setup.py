@@ -55,6 +55,9 @@ def d_blocks(longest: int) -> int:
 
 
 ROUTER_DEADLINES = {"decode_first_byte_timeout_s": 300.0, "prefill_deadline_s": 300.0}  # upstream
+PULL = {"mode": "pull"}
+"""``[paths]`` of every router here: P then D on every turn, like vLLM's proxy."""
+
 """The router's deadlines, raised: at 128k tokens, c=8, on a loaded machine, D's first byte can
 take longer than the 30 s default, and the retry is a second P pass (vLLM's proxy waits
 without a limit)."""
@@ -209,6 +212,7 @@ def memory_phase(
         cfg = engines.router_config(
             retention={"decoder_kv_blocks_ttl_s": ttl, "ttl_margin_s": 10.0},
             upstream=ROUTER_DEADLINES,
+            paths=PULL,
         )
         mat = Material(p.url, d.url, length)
         starters: list[tuple[str, str, Any]] = []

@@ -6,7 +6,8 @@ starts one router from ``git archive BASE`` (a temporary directory) and one from
 front of the same simulator P and D (``--preset zero --time-scale 0``), and sends each the same
 conversations (``benchmarks/_turns.py``; streamed, 128 tokens per answer, c=1), the two
 alternating round after round. *CPU ms/turn* is each router process's CPU time (``/proc``) per
-turn; the figure is the median of the rounds. On a shared machine the rounds' spread says how
+turn; the figure is the median of the rounds. Both routers go P then D on every turn
+(``paths.mode = "pull"`` where the base has it). On a shared machine the rounds' spread says how
 far to trust a difference.
 
 Run: ``python benchmarks/router_ab.py --base 9917efb --lengths 32k --kinds exact,chat,messages``.
@@ -54,6 +55,13 @@ def exported(rev: str) -> Iterator[Path]:
         yield Path(tmp)
 
 
+def pull(tree: Path, cfg: dict[str, object]) -> dict[str, object]:
+    """``cfg`` with ``paths.mode = "pull"`` where ``tree``'s router has the ``[paths]`` group
+    (both routers then go P then D on every turn; a router without it always does)."""
+    config = (tree / "agentkv" / "router" / "config.py").read_text()
+    return {**cfg, "paths": {"mode": "pull"}} if "class PathSettings" in config else cfg
+
+
 def router_from(tree: Path, cfg: dict[str, object], logs: Path) -> Proc:
     """A router process importing ``agentkv`` from ``tree`` (its cwd and ``PYTHONPATH``)."""
     saved_env, saved_cwd = os.environ.get("PYTHONPATH"), os.getcwd()
@@ -90,8 +98,8 @@ def main() -> None:
                     decoder_kv_blocks_ttl_s=D_TTL_S, ttl_margin_s=10.0, **ROUTER_DEADLINES
                 )
                 routers = {
-                    "base": router_from(base_tree, cfg, engines.logs),
-                    "this": router_from(ROOT, cfg, engines.logs),
+                    "base": router_from(base_tree, pull(base_tree, cfg), engines.logs),
+                    "this": router_from(ROOT, pull(ROOT, cfg), engines.logs),
                 }
                 engines.procs.extend(routers.values())
                 mat = Material(engines.p.url, engines.d.url, length)

@@ -6,7 +6,8 @@ One simulator P and one simulator D (1P1D, ``--preset zero --time-scale 0``) beh
 holding: the store never holds more than its bound, handles it evicts are released on D at once
 (D does not pin their KV until its TTL), the router's memory stays flat, and no request fails.
 Each conversation's turns are sequential (the next turn's messages are the history plus the
-answer plus a new question) and 256 conversations are in flight at any time.
+answer plus a new question) and 256 conversations are in flight at any time. The router's
+``paths.mode`` is ``pull`` (every later turn P then D, as vLLM's proxy does).
 
 Run: ``python benchmarks/router_load.py`` (``--quick`` for a smoke run; writes its section of
 docs/benchmarks.md unless ``--no-write``). Exits non-zero when a request failed or a bound was
@@ -230,7 +231,8 @@ def main() -> None:
     )
     with one_p_one_d(SIM_ARGS) as engines:
         p, d = engines.p, engines.d
-        router = start_router(engines.router_config(store={"max_entries": store_max}), engines.logs)
+        cfg = engines.router_config(store={"max_entries": store_max}, paths={"mode": "pull"})
+        router = start_router(cfg, engines.logs)
         engines.procs.append(router)
         pids = [p.process.pid, d.process.pid, router.pid]
         quiet = wait_quiet(pids, max_wait_s=args.wait_quiet)
@@ -318,6 +320,8 @@ def main() -> None:
         "retention from its `/metrics`. **2 cores shared by the client, P, D and the router**",
         f"(processes outside the benchmark used {meter.other_cores:.2f} cores on average during",
         "the run), so throughput and latency are CPU-bound, not a property of the router alone.",
+        "The router's `paths.mode` is `pull`: every later turn goes P then D, as vLLM's proxy",
+        "does (the default, `choose`, would decode these short turns on D in place).",
         "",
         "| measure | value | bound or expectation |",
         "|---|---:|---|",

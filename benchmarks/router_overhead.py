@@ -63,6 +63,7 @@ from benchmarks._overhead_setup import (
     CONVERSATIONS,
     D_TTL_S,
     LENGTHS,
+    PULL,
     ROUTER_DEADLINES,
     RSS_CONVERSATIONS,
     RSS_WARM,
@@ -124,6 +125,10 @@ TARGET_LINES = [
     "  `prompt_cache_key`);",
     "- **P then D (client)**: the client does the exact-ids P then D steps itself (the",
     "  baseline for the router's added latency).",
+    "",
+    'Every agentkv router here has `paths.mode = "pull"`: each turn goes P then D, the',
+    "path vLLM's proxy and the floor take (the default, `choose`, would decode a turn's few",
+    "new tokens on D in place and skip P).",
 ]
 
 MEASURE_LINES = [
@@ -318,6 +323,7 @@ def main() -> None:
         cfg = engines.router_config(
             retention={"decoder_kv_blocks_ttl_s": D_TTL_S, "ttl_margin_s": 10.0},
             upstream=ROUTER_DEADLINES,
+            paths=PULL,
         )
         targets = start_targets(engines, cfg, keep, args.vllm_proxy_python, args.compare)
         sim_pids = [p.process.pid, d.process.pid]

@@ -49,13 +49,21 @@ def conversation_id(name: str) -> str:
     return f"{name}-{RUN}"
 
 
+def reused(receipt: agentkv.TurnReceipt) -> int:
+    """The prompt tokens the turn did not recompute: what P read back from D (``pull``), or
+    what D found in its own prefix cache on a turn decoded in place (``decode``, ``cpu``)."""
+    if receipt.decision in ("decode", "cpu"):
+        return receipt.cached_tokens or 0
+    return receipt.reused_tokens or 0
+
+
 def print_receipt(conversation: Any, receipt: agentkv.TurnReceipt) -> None:
     """One line per turn: the conversation, its epoch and what the router reused."""
     _RECEIPTS.append(receipt)
     rewrite = f" rewrite={receipt.rewrite.reason}" if receipt.rewrite else ""
     print(
         f"  [agentkv] conversation={receipt.conversation_id} turn={receipt.turn} "
-        f"epoch={receipt.epoch} decision={receipt.decision} reused={receipt.reused_tokens} "
+        f"epoch={receipt.epoch} decision={receipt.decision} reused={reused(receipt)} "
         f"cached={receipt.cached_tokens} prompt={receipt.prompt_tokens} "
         f"ids={len(conversation.token_ids or [])}{rewrite}",
         flush=True,
@@ -68,16 +76,16 @@ def print_summary() -> None:
     same prompts recomputed, with the local profile's cost model (the laptop preset)."""
     turns = len(_RECEIPTS)
     prompt = sum(r.prompt_tokens for r in _RECEIPTS)
-    reused = sum(r.reused_tokens or 0 for r in _RECEIPTS)
-    share = f" ({reused / prompt:.0%})" if prompt else ""
-    line = f"summary: {turns} turns, {reused:,} of {prompt:,} prompt tokens reused{share}"
+    total = sum(reused(r) for r in _RECEIPTS)
+    share = f" ({total / prompt:.0%})" if prompt else ""
+    line = f"summary: {turns} turns, {total:,} of {prompt:,} prompt tokens reused{share}"
     modelled = [r for r in _RECEIPTS if r.model_ttft_ms is not None]
     if modelled:
         from agentkv.sim.costmodel import PRESETS
 
         cost = PRESETS["laptop"]
         recompute = sum(cost.ttft_s(r.prompt_tokens, 0) for r in modelled) * 1000
-        as_run = sum(cost.ttft_s(r.prompt_tokens, r.reused_tokens or 0) for r in modelled) * 1000
+        as_run = sum(cost.ttft_s(r.prompt_tokens, reused(r)) for r in modelled) * 1000
         line += (
             f"; TTFT saved {recompute - as_run:,.0f} ms of {recompute:,.0f} ms "
             "(these turns against the same prompts recomputed, by the simulator's laptop "

@@ -2,7 +2,16 @@ from __future__ import annotations
 
 import pytest
 
+from tests._support import router_config
 from tests._support.otel import OTel
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A ``paths_pull`` test's routers (its fixtures' too: they are set up after this) get
+    ``paths.mode = "pull"`` (:mod:`tests._support.router_config`)."""
+    marked = item.get_closest_marker("paths_pull") is not None
+    router_config.pinned[:] = [router_config.PULL] if marked else []
 
 
 @pytest.fixture

@@ -32,7 +32,8 @@ _UI_IDLE_S = "--leases: the UI idle timeout of user waits, trace seconds."
 _MAX_HOLD_S = "--leases: D's TTL (the longest hold), trace seconds."
 _PATHS = (
     "--local: the routers' paths.mode: choose (the cost model), pull (always through P) or "
-    "decode (in place on D whenever its budget allows)."
+    "decode (in place on D whenever its budget allows). Default: the profile's (choose unless "
+    "it sets one)."
 )
 _LEASE_ENDPOINT = "--endpoint --leases: a router before a D with a --max-hold-s TTL."
 _CLIENT = (

@@ -252,13 +252,13 @@ class TenancySettings(_Group):
 class PathSettings(_Group):
     """``[paths]``: each turn's path (docs/paths.md): pull D's KV back, or decode in place."""
 
-    mode: Literal["choose", "pull", "decode"] = "pull"
-    """How a turn whose verified handle lives on a D reaches its first token. ``pull`` (the
-    default, as before issue 24): always through P, which reads D's KV back. ``choose``: the
-    path the cost model (:mod:`agentkv.router.paths`) estimates fastest within D's budget:
-    ``decode`` (straight to that D, which prefills the new tokens from its own prefix cache)
-    or the P path. ``decode``: decode in place whenever D's budget allows it (benchmarks by
-    path)."""
+    mode: Literal["choose", "pull", "decode"] = "choose"
+    """How a turn whose verified handle lives on a D reaches its first token. ``choose`` (the
+    default): the path the cost model (:mod:`agentkv.router.paths`) estimates fastest within
+    D's budget: ``decode`` (straight to that D, which prefills the new tokens from its own
+    prefix cache) or the P path. ``pull``: always through P, which reads D's KV back (the only
+    path before issue 24; what vLLM's example proxy does). ``decode``: decode in place whenever
+    D's budget allows it (benchmarks by path)."""
     reuse_policy: Literal["verified", "unverified"] = "verified"
     """``unverified`` attaches a conversation's handle without checking it, like vLLM's example
     proxy. It reads wrong KV after a rewrite: for benchmarks and conformance tests only."""

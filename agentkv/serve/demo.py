@@ -4,9 +4,10 @@
    (simulated prefill and decode engines + agentkv's router) in the background.
 2. Drive a scripted, tool-using agent through the SDK: exact token ids, one conversation id,
    its reasoning stripped at turn 4 and a summary at turn 6 (the router trims the handle to
-   the verified prefix: a trimmed pull). Per turn: the simulator's modelled TTFT (its cost
-   model, noise-free: ``X-AgentKV-Sim-Model-TTFT-Ms``), prompt tokens, reused tokens, the
-   router's decision, and the TTFT saved against the same turn without a conversation id.
+   the verified prefix, and the turn reuses only that). Per turn: the simulator's modelled
+   TTFT (its cost model, noise-free: ``X-AgentKV-Sim-Model-TTFT-Ms``), prompt tokens, reused
+   tokens (read back by P, or found in D's prefix cache on a ``decode`` turn), the router's
+   decision, and the TTFT saved against the same turn without a conversation id.
 3. Replay the same turns as a naive client would: without a conversation id (no reuse), then
    with reuse that nobody verifies (vLLM's example-proxy policy, on a second router), counting
    the prompt tokens that ran on KV computed for other tokens (the simulator's wrong-KV

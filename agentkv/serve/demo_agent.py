@@ -185,7 +185,7 @@ def run_agent(
                 label,
                 receipt.model_ttft_ms if receipt.model_ttft_ms is not None else ttft,
                 receipt.prompt_tokens,
-                receipt.reused_tokens or 0,
+                _reused(receipt),
                 receipt.decision or "-",
                 backend.wrong_kv() - before,
                 trimmed=receipt.trim_cause is not None,
@@ -197,6 +197,14 @@ def run_agent(
         if on_turn is not None:
             on_turn()
     return rows
+
+
+def _reused(receipt: agentkv.TurnReceipt) -> int:
+    """The history's tokens the turn did not recompute: read back by P (``pull``), or found
+    in D's own prefix cache on a turn that went straight to D (``decode``, ``cpu``)."""
+    if receipt.decision in ("decode", "cpu"):
+        return receipt.cached_tokens or 0
+    return receipt.reused_tokens or 0
 
 
 def _survivors(messages: list[dict[str, Any]], count: int) -> str:

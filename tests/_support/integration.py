@@ -78,21 +78,33 @@ class Recorder:
                 assert_rewrite_reads_only_what_survived(cur.receipt)
                 continue
             assert cur.token_ids[: len(prev.token_ids)] == prev.token_ids
-            assert cur.receipt.decision == "pull", cur.receipt
-            assert (
-                cur.receipt.reused_tokens and cur.receipt.reused_tokens >= len(prev.token_ids) - 16
-            )
+            assert cur.receipt.decision in REUSED, cur.receipt
+            assert reused(cur.receipt) >= len(prev.token_ids) - 16, cur.receipt
+
+
+REUSED = ("pull", "decode")
+"""The decisions of a turn that reused D's KV of its history: read back by P (``pull``), or
+decoded on that D in place (``decode``, the default ``paths.mode``'s pick for a short turn)."""
+
+
+def reused(receipt: agentkv.TurnReceipt) -> int:
+    """The history's tokens a turn did not recompute: what P read back, or on a ``decode``
+    turn what D found in its own prefix cache (the answer's ``cached_tokens``)."""
+    if receipt.decision == "decode":
+        return receipt.cached_tokens or 0
+    return receipt.reused_tokens or 0
 
 
 def assert_rewrite_reads_only_what_survived(receipt: agentkv.TurnReceipt) -> None:
     """A rewrite turn drops D's handle (``stale``, ``recompute``) or, since the router's planner
-    trims it to the verified prefix, pulls that prefix: never more than survived the rewrite."""
-    assert receipt.decision in ("stale", "recompute", "pull"), receipt
-    if receipt.decision == "pull":
+    trims it to the verified prefix, reuses that prefix (``pull`` or ``decode``): never more
+    than survived the rewrite."""
+    assert receipt.decision in ("stale", "recompute", *REUSED), receipt
+    if receipt.decision in REUSED:
         assert receipt.trim_cause == "rewrite" and receipt.rewrite is not None, receipt
         survived = receipt.rewrite.surviving_tokens
-        reused = receipt.reused_tokens or 0
-        assert reused > 0 and (survived is None or reused <= survived), receipt
+        got = reused(receipt)
+        assert got > 0 and (survived is None or got <= survived), receipt
 
 
 def adapter_settings(sdk_clients: tuple[Any, Any], recorder: Recorder) -> dict[str, Any]:

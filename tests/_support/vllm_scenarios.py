@@ -136,7 +136,8 @@ class Stack:
 
 
 def router_on(real: Stack, tmp: Path, **options: object) -> Iterator[str]:
-    """A second router on the real engines (cpu-tiny's settings, plus ``options``: groups)."""
+    """A second router on the real engines (cpu-tiny's settings, ``paths.mode = "pull"`` as
+    the tier's main router, plus ``options``: groups, merged key by key)."""
     config = dict(
         expand(
             load_profile(
@@ -144,7 +145,8 @@ def router_on(real: Stack, tmp: Path, **options: object) -> Iterator[str]:
             )
         ).router_config
     )
-    with start_router(router_data(config, options), workdir=tmp) as router:
+    pull = {"paths": {"mode": "pull"}}
+    with start_router(router_data(config, pull, options), workdir=tmp) as router:
         yield router.url
 
 

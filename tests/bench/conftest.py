@@ -23,6 +23,12 @@ def small_trace(tmp_path: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def stack() -> Iterator[Stack]:
-    """The `local` profile (simulated P and D, laptop costs) with both routers."""
-    with local_stack("local", time_scale=TIME_SCALE, preset="laptop", unverified=True) as s:
+    """The `local` profile (simulated P and D, laptop costs) with both routers, each with
+    ``paths.mode = "pull"``: these tests check the replay's account of what P read back from D
+    (and the unverified router is vLLM's proxy, P then D); the default, ``choose``, would
+    decode the trace's short turns on D in place (tests/bench/test_replay_paths_e2e.py)."""
+    pull = {"paths": {"mode": "pull"}}
+    with local_stack(
+        "local", time_scale=TIME_SCALE, preset="laptop", unverified=True, router_options=pull
+    ) as s:
         yield s

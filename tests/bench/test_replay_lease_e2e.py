@@ -32,7 +32,11 @@ def lease_stack() -> Iterator[Stack]:
         preset="laptop",
         unverified=False,
         decoder_ttl_s=int(LEASE.max_hold_s),
-        router_options=runner.lease_router_options(LEASE, TIME_SCALE),
+        # a revived handle is read back through P: the leases' receipts are pulls
+        router_options={
+            **runner.lease_router_options(LEASE, TIME_SCALE),
+            "paths": {"mode": "pull"},
+        },
     ) as s:
         yield s
 

@@ -66,7 +66,10 @@ from agentkv.sim.launch import SimProcess, free_port, start_sims
 from tests._support.redis_server import _start, start_redis
 from tests._support.stack import Stack, start_router
 
-pytestmark = pytest.mark.e2e
+# paths.mode = "pull" (tests/_support/router_config.py): these tests check P's reads of
+# D's KV (decision `pull`, X-AgentKV-Reused-Tokens, P's counters), which the default
+# `choose` skips for a short turn by decoding it on D in place (test_paths_e2e.py)
+pytestmark = [pytest.mark.e2e, pytest.mark.paths_pull]
 
 MODEL = "agentkv-sim"
 BS = 16

@@ -23,7 +23,10 @@ import pytest
 from agentkv.protocol.promtext import parse_metrics
 from tests._support.stack import stack
 
-pytestmark = pytest.mark.e2e
+# paths.mode = "pull" (tests/_support/router_config.py): these tests check P's reads of
+# D's KV (decision `pull`, X-AgentKV-Reused-Tokens, P's counters), which the default
+# `choose` skips for a short turn by decoding it on D in place (test_paths_e2e.py)
+pytestmark = [pytest.mark.e2e, pytest.mark.paths_pull]
 
 HARNESS = Path.home() / ".cache" / "agentkv" / "harness" / "claude-code"
 PACKAGE = HARNESS / "node_modules" / "@anthropic-ai" / "claude-code"

@@ -15,7 +15,10 @@ from agentkv.protocol.promtext import parse_metrics
 from agentkv.sim.launch import start_sims
 from tests._support.stack import MODEL, Stack, exact, stack
 
-pytestmark = pytest.mark.e2e
+# paths.mode = "pull" (tests/_support/router_config.py): these tests check P's reads of
+# D's KV (decision `pull`, X-AgentKV-Reused-Tokens, P's counters), which the default
+# `choose` skips for a short turn by decoding it on D in place (test_paths_e2e.py)
+pytestmark = [pytest.mark.e2e, pytest.mark.paths_pull]
 
 COMMON = ("--time-scale", "0", "--block-size", "16")
 

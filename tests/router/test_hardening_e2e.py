@@ -24,7 +24,10 @@ from agentkv.sim.launch import free_port
 from tests._support.stack import RouterProcess, Stack, chat_as, rss_mib, stack
 from tests._support.stack import start_router as stack_router
 
-pytestmark = pytest.mark.e2e
+# paths.mode = "pull" (tests/_support/router_config.py): these tests check P's reads of
+# D's KV (decision `pull`, X-AgentKV-Reused-Tokens, P's counters), which the default
+# `choose` skips for a short turn by decoding it on D in place (test_paths_e2e.py)
+pytestmark = [pytest.mark.e2e, pytest.mark.paths_pull]
 
 SYSTEM = "You are a coding agent. " + " ".join(f"Rule {i}: keep changes small." for i in range(40))
 ADMIN = "sk-admin-1"

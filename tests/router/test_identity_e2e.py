@@ -19,7 +19,10 @@ from tests._support.templates import TEMPLATES_DIR
 
 QWEN3 = str(TEMPLATES_DIR / "qwen3.jinja")
 
-pytestmark = pytest.mark.e2e
+# paths.mode = "pull" (tests/_support/router_config.py): these tests check P's reads of
+# D's KV (decision `pull`, X-AgentKV-Reused-Tokens, P's counters), which the default
+# `choose` skips for a short turn by decoding it on D in place (test_paths_e2e.py)
+pytestmark = [pytest.mark.e2e, pytest.mark.paths_pull]
 
 CALL = {"name": "read_file", "arguments": {"path": "src/app.py"}}
 SCRIPTS: list[dict[str, Any]] = [

@@ -30,7 +30,10 @@ from agentkv.protocol.promtext import parse_metrics
 from agentkv.sim.launch import SimProcess, free_port, start_sims
 from tests._support.stack import MODEL, Stack, exact, start_router
 
-pytestmark = pytest.mark.e2e
+# paths.mode = "pull" (tests/_support/router_config.py): these tests check P's reads of
+# D's KV (decision `pull`, X-AgentKV-Reused-Tokens, P's counters), which the default
+# `choose` skips for a short turn by decoding it on D in place (test_paths_e2e.py)
+pytestmark = [pytest.mark.e2e, pytest.mark.paths_pull]
 
 BS = 16
 LOCAL = "vllm:prompt_tokens_by_source_total[local_cache_hit]"

@@ -14,7 +14,10 @@ import pytest
 from tests._support.stack import NO_P_CACHE, stack, start_router
 from tests._support.templates import TEMPLATES_DIR
 
-pytestmark = pytest.mark.e2e
+# paths.mode = "pull" (tests/_support/router_config.py): these tests check P's reads of
+# D's KV (decision `pull`, X-AgentKV-Reused-Tokens, P's counters), which the default
+# `choose` skips for a short turn by decoding it on D in place (test_paths_e2e.py)
+pytestmark = [pytest.mark.e2e, pytest.mark.paths_pull]
 
 MODEL = "agentkv-sim"
 SYSTEM = [

@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 
+from agentkv.router.config import PathSettings
 from agentkv.sim.launch import SimProcess
 from tests._support.stack import MODEL, Stack, held_after, stack
 
@@ -119,6 +120,43 @@ def test_few_new_tokens_decode_in_place_and_many_pull(tmp_path):
         assert r.headers["x-agentkv-decision"] == "pull", dict(r.headers)
         assert int(r.headers["x-agentkv-reused-tokens"]) == len(held) - 1
         assert "x-agentkv-decode-cached-tokens" not in r.headers
+        assert counts(s, p)[0] - before_p[0] == len(ids)
+
+        assert s.wrong_kv() == 0
+
+
+def test_the_default_router_decodes_a_short_turn_in_place_and_sends_a_long_one_through_p(
+    tmp_path,
+):
+    """No ``[paths]`` at all: the default ``choose`` decodes a follow-up turn of a few tokens
+    on the D that holds the history, and a turn of more new tokens than the default
+    ``decode_max_new_tokens`` goes through P, which reads D's KV back. No wrong KV."""
+    limit = PathSettings().decode_max_new_tokens
+    assert PathSettings().mode == "choose"
+    with stack(tmp_path, p_args=(("--no-prefix-caching",),)) as s:
+        p, d = s.prefill[0], s.decode[0]
+        url = s.router.url
+        r = turn(url, "default", FIRST)
+        assert r.headers["x-agentkv-decision"] == "miss"
+        held = held_after(r, FIRST)
+
+        ids = [*held, *range(2000, 2020)]
+        before_p, before_d = counts(s, p), counts(s, d)
+        r = turn(url, "default", ids)
+        assert r.headers["x-agentkv-decision"] == "decode", dict(r.headers)
+        cached = (len(held) - 1) // BS * BS
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
+        now = counts(s, d)
+        assert (now[0] - before_d[0], now[1] - before_d[1]) == (len(ids), len(ids) - cached)
+        assert counts(s, p)[0] - before_p[0] <= 1  # at most the old handle's 1-token release
+        settled(s, d, 1)
+        held = held_after(r, ids)
+
+        ids = [*held, *range(5000, 5000 + limit + 100)]
+        before_p = counts(s, p)
+        r = turn(url, "default", ids)
+        assert r.headers["x-agentkv-decision"] == "pull", dict(r.headers)
+        assert int(r.headers["x-agentkv-reused-tokens"]) == len(held) - 1
         assert counts(s, p)[0] - before_p[0] == len(ids)
 
         assert s.wrong_kv() == 0

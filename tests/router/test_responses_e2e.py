@@ -23,7 +23,10 @@ from tests._support.agents import SYSTEM
 from tests._support.redis_server import _INSTALL, _start, _unavailable
 from tests._support.stack import MODEL, Stack, stack
 
-pytestmark = pytest.mark.e2e
+# paths.mode = "pull" (tests/_support/router_config.py): these tests check P's reads of
+# D's KV (decision `pull`, X-AgentKV-Reused-Tokens, P's counters), which the default
+# `choose` skips for a short turn by decoding it on D in place (test_paths_e2e.py)
+pytestmark = [pytest.mark.e2e, pytest.mark.paths_pull]
 
 KEY_A, KEY_B = "key-a", "key-b"
 TENANTS = [

@@ -21,7 +21,10 @@ from tests._support.stack import (
     start_router,
 )
 
-pytestmark = pytest.mark.e2e
+# paths.mode = "pull" (tests/_support/router_config.py): these tests check P's reads of
+# D's KV (decision `pull`, X-AgentKV-Reused-Tokens, P's counters), which the default
+# `choose` skips for a short turn by decoding it on D in place (test_paths_e2e.py)
+pytestmark = [pytest.mark.e2e, pytest.mark.paths_pull]
 
 
 def wait_until(fn, timeout_s: float = 10.0, step_s: float = 0.1) -> bool:

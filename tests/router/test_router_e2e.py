@@ -13,7 +13,10 @@ import agentkv
 from tests._support.agents import SYSTEM, client
 from tests._support.stack import NO_P_CACHE, stack, vllm_032_stack
 
-pytestmark = pytest.mark.e2e
+# paths.mode = "pull" (tests/_support/router_config.py): these tests check P's reads of
+# D's KV (decision `pull`, X-AgentKV-Reused-Tokens, P's counters), which the default
+# `choose` skips for a short turn by decoding it on D in place (test_paths_e2e.py)
+pytestmark = [pytest.mark.e2e, pytest.mark.paths_pull]
 
 
 @pytest.fixture(scope="module")

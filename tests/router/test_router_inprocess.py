@@ -15,7 +15,10 @@ import agentkv
 from tests._support.agents import SYSTEM, TOOLS, agent_step
 from tests._support.inprocess_stack import InProcessStack, inprocess_stack
 
-pytestmark = pytest.mark.anyio
+# paths.mode = "pull" (tests/_support/router_config.py): these tests check P's reads of
+# D's KV (decision `pull`, X-AgentKV-Reused-Tokens, P's counters), which the default
+# `choose` skips for a short turn by decoding it on D in place (test_paths_e2e.py)
+pytestmark = [pytest.mark.anyio, pytest.mark.paths_pull]
 
 NO_P_CACHE = ({"prefix_caching": False},)
 

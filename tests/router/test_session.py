@@ -72,6 +72,7 @@ HARNESS_HEADERS = [
 
 
 @pytest.mark.e2e
+@pytest.mark.paths_pull  # P's read of D's KV is what it checks (tests/_support/router_config.py)
 def test_a_plain_client_with_a_harness_header_pulls(tmp_path: Path) -> None:
     """Chat Completions with exact ids and nothing but a harness's session header: turn 2
     pulls what turn 1 left on D, under each header, and the source is counted."""

@@ -20,7 +20,9 @@ from agentkv.sim.launch import free_port, start_sims
 from tests._support.router_config import router_data
 from tests._support.stack import MODEL, NO_P_CACHE, Stack, chat_as, exact, stack, start_router
 
-pytestmark = pytest.mark.e2e
+# paths.mode = "pull" (tests/_support/router_config.py): these tests check that a tenant's
+# handle is still read back by P
+pytestmark = [pytest.mark.e2e, pytest.mark.paths_pull]
 
 ADMIN = "sk-admin-1"
 OLD_FIXED_KEY = "agentkv-tenant-salt-v1"  # what an unset salt_secret used to mean

@@ -21,7 +21,10 @@ from opentelemetry.trace import format_span_id, format_trace_id
 import agentkv
 from tests._support.stack import stack
 
-pytestmark = pytest.mark.e2e
+# paths.mode = "pull" (tests/_support/router_config.py): the trace reaches P and D on every
+# turn, which the default `choose` sends straight to D when it adds a few tokens
+# (test_paths_e2e.py)
+pytestmark = [pytest.mark.e2e, pytest.mark.paths_pull]
 
 SYSTEM = "You are a careful agent. " + " ".join(f"Rule {i}: be brief." for i in range(30))
 

@@ -511,7 +511,10 @@ time.sleep(600)  # killed here, mid-wait
 def router_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from tests._support.stack import stack
 
-    with stack(tmp_path_factory.mktemp("lease"), p_args=(("--no-prefix-caching",),)) as s:
+    # the kept reuse is checked as P's read of D's KV (a pull), not D's own prefix cache
+    pull = {"paths": {"mode": "pull"}}
+    tmp = tmp_path_factory.mktemp("lease")
+    with stack(tmp, p_args=(("--no-prefix-caching",),), router=pull) as s:
         yield s
 
 

@@ -241,6 +241,12 @@ def test_demo_claims() -> None:
     naive = rows("no-id", "miss miss miss miss miss miss", 50)
     unverified = rows("unverified", "miss pull pull pull pull pull", 10, wrong=5)
     assert check(verified, naive, unverified) == []
+    in_place = rows("agentkv", "miss decode decode decode* pull decode*", 10)
+    assert check(in_place, naive, unverified) == []
+    recomputed = rows("agentkv", "miss decode recompute decode* decode decode*", 10)
+    assert check(recomputed, naive, unverified) == [
+        "turn 3: decision recompute, not pull or decode"
+    ]
     untrimmed = rows("agentkv", "miss pull pull pull pull pull*", 10)
     assert check(untrimmed, naive, unverified) == ["turn 4: not trimmed"]
     slower = rows("agentkv", "miss pull pull pull* pull pull*", 60)
@@ -296,4 +302,4 @@ def test_demo_uses_a_running_deployment_on_its_own_ports(tmp_path: Path) -> None
         r = agentkv("demo", "--port", str(port), timeout=300)
         assert r.returncode == 0, r.stdout + r.stderr
         assert f"using the local backend at http://127.0.0.1:{port}/v1" in r.stdout
-        assert r.stdout.count("pull (trimmed)") == 2
+        assert r.stdout.count("decode (trimmed)") == 2  # the default paths.mode, choose

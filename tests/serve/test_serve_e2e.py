@@ -92,7 +92,9 @@ def test_serve_runs_a_conversation_and_stops_cleanly(tmp_path):
             for i in range(3):
                 conv.add_user(f"question {i}")
                 conv.create(max_tokens=80)
-        assert [r.decision for r in conv.receipts] == ["miss", "pull", "pull"]
+        # the router's default paths.mode, choose: the short follow-ups decode on D in place
+        assert [r.decision for r in conv.receipts] == ["miss", "decode", "decode"]
+        assert all((r.cached_tokens or 0) > 0 for r in conv.receipts[1:]), conv.receipts
         proc.process.send_signal(signal.SIGTERM)
         out = finish(proc)
         assert proc.returncode == 0, out
@@ -136,12 +138,14 @@ def test_demo_runs_and_shows_the_hazard(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "reuse without verification" in r.stdout and "agentkv (verified)" in r.stdout
     assert f"started the local backend at http://127.0.0.1:{port}/v1" in r.stdout
-    # modelled TTFT saved per turn and in total, the rewrite turns a trimmed pull and what
-    # survived them, the unverified turns on wrong KV named, the legend of what appears
-    assert "TTFT saved" in r.stdout and r.stdout.count("pull (trimmed)") == 2
+    # modelled TTFT saved per turn and in total, the rewrite turns trimmed (decoded in place:
+    # the default paths.mode, choose) and what survived them found in D's prefix cache, the
+    # unverified turns on wrong KV named, the legend of what appears
+    assert "TTFT saved" in r.stdout and r.stdout.count("decode (trimmed)") == 2
+    assert "prompt tokens found in D's prefix cache: the system prompt" in r.stdout
     assert "turn 6 (summary): " in r.stdout and "the system prompt with the tools" in r.stdout
     assert "reuse without verification: turns 4, 5 and 6 ran on KV computed" in r.stdout
-    for term in ("miss =", "pull =", "wrong KV ="):
+    for term in ("miss =", "decode =", "wrong KV ="):
         assert term in r.stdout, term
     assert "stale =" not in r.stdout  # no turn was stale: nothing to explain
     assert "Traceback" not in r.stderr

