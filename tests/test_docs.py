@@ -61,3 +61,24 @@ def test_every_router_metric_is_in_the_metrics_table():
         for family in registry.collect()
     }
     assert exported == rows, (exported - rows, rows - exported)
+
+
+def test_every_module_is_in_the_architecture_map():
+    """docs/architecture.md's module map names every module of agentkv, and only those."""
+    text = (DOCS / "architecture.md").read_text()
+    _, _, section = text.partition("\n## Every module, one line each\n")
+    listed: set[str] = set()
+    package = ""
+    for line in section.splitlines():
+        if line.startswith("**`agentkv"):
+            package = line.strip("*`")
+        elif line.startswith("| `") and package:
+            listed.add(package + line.split("`")[1])
+    root = DOCS.parent
+    modules = {
+        p.relative_to(root).as_posix()
+        for p in (root / "agentkv").rglob("*.py")
+        if p.name not in ("__main__.py", "__version__.py")
+    }
+    assert modules - listed == set(), "modules missing from docs/architecture.md's map"
+    assert listed - modules == set(), "rows of docs/architecture.md's map that are no module"
