@@ -26,6 +26,10 @@ from benchmarks._turns import STREAMED, Material, Target, drive
 D_TTL_S = 60.0
 LEASE_S = 240.0
 VLLM_PROXY = ROOT.parent / "shared" / "peers" / "vllm-0.33.0" / "disagg_proxy_multiturn.py"
+PROXY_PYTHON = ROOT / ".venv-vllm-proxy" / "bin" / "python"
+"""The default python of vLLM's proxy: a virtualenv of its own, made on first use."""
+PROXY_REQUIREMENTS = ("fastapi", "uvicorn", "httpx", "sniffio")
+"""What ``disagg_proxy_multiturn.py`` imports."""
 LENGTHS = {"short": 0, "1k": 1_000, "8k": 8_000, "32k": 32_000, "128k": 128_000}
 CONVERSATIONS = {0: 32, 1_000: 16, 8_000: 4, 32_000: 2, 128_000: 1}
 """Conversations per cell and round at c=1 (at c>1: at least c), by first prompt length."""
@@ -99,6 +103,27 @@ def start_router(
         return ["-m", "benchmarks._serve_router", server, str(path)]
 
     return start_process(name, argv, logs)
+
+
+def proxy_python(python: str) -> str:
+    """``python`` for vLLM's proxy, ready: the default virtualenv (``.venv-vllm-proxy``) is made
+    and given :data:`PROXY_REQUIREMENTS` when it is missing; another missing python is an
+    error that says how to make one."""
+    path = Path(python)
+    if path.exists():
+        return python
+    if path != PROXY_PYTHON:
+        raise SystemExit(
+            f"{python} does not exist: make a virtualenv with {' '.join(PROXY_REQUIREMENTS)} "
+            "for vLLM's proxy, or leave --vllm-proxy-python (and VLLM_PROXY_PYTHON) unset to "
+            f"have {PROXY_PYTHON.parents[1].name} made here"
+        )
+    venv = PROXY_PYTHON.parents[1]
+    print(f"making {venv.name} for vLLM's proxy: {' '.join(PROXY_REQUIREMENTS)} …", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(PROXY_PYTHON), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    subprocess.run([*pip, *PROXY_REQUIREMENTS], check=True)
+    return python
 
 
 def start_vllm_proxy(python: str, p: str, d: str, logs: Path) -> Proc:

@@ -47,7 +47,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._loadgen import ROOT, CPUMeter, one_p_one_d, wait_quiet
+from benchmarks._loadgen import CPUMeter, one_p_one_d, wait_quiet
 from benchmarks._overhead_report import (
     Cell,
     Memory,
@@ -63,6 +63,7 @@ from benchmarks._overhead_setup import (
     CONVERSATIONS,
     D_TTL_S,
     LENGTHS,
+    PROXY_PYTHON,
     PULL,
     ROUTER_DEADLINES,
     RSS_CONVERSATIONS,
@@ -71,6 +72,7 @@ from benchmarks._overhead_setup import (
     loadavg,
     memory_phase,
     profile,
+    proxy_python,
     sim_args,
     start_targets,
     tree_cpu,
@@ -271,8 +273,9 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="py-spy the router at c=64")
     parser.add_argument(
         "--vllm-proxy-python",
-        default=os.environ.get("VLLM_PROXY_PYTHON", str(ROOT / ".venv-vllm-proxy/bin/python")),
-        help="python of a virtualenv with fastapi uvicorn httpx sniffio",
+        default=os.environ.get("VLLM_PROXY_PYTHON", str(PROXY_PYTHON)),
+        help="python of a virtualenv with fastapi uvicorn httpx sniffio (default: "
+        ".venv-vllm-proxy, made on first use)",
     )
     args = parser.parse_args()
     names = (args.lengths or ("1k,8k" if args.quick else "1k,8k,32k,128k")).split(",")
@@ -318,6 +321,8 @@ def main() -> None:
     mats: list[Material] = []
     cells: list[Cell] = []
     keep = set(args.targets.split(",")) if args.targets else None
+    if keep is None or "vllm" in keep:
+        args.vllm_proxy_python = proxy_python(args.vllm_proxy_python)
     with one_p_one_d(sim_args(), sim_args(d_blocks(max(lengths)))) as engines:
         p, d, logs, procs = engines.p, engines.d, engines.logs, engines.procs
         cfg = engines.router_config(
