@@ -156,9 +156,10 @@ def main() -> None:
                 for kind in kinds:
                     base, this = (cpu[(b, kind)] for b in ("base", "this"))
                     mb, mt = statistics.median(base), statistics.median(this)
+                    ratio = f"{mt / mb:.2f}" if mb else "–"  # CPU ticks are 10 ms
                     rows.append(
                         f"| {length // 1000}k | {kind} | {mb:.2f} ({min(base):.2f}–{max(base):.2f})"
-                        f" | {mt:.2f} ({min(this):.2f}–{max(this):.2f}) | {mt / mb:.2f} |"
+                        f" | {mt:.2f} ({min(this):.2f}–{max(this):.2f}) | {ratio} |"
                     )
     print(f"load average at the end: {loadavg()}")
     shape = f"{workload.key}, c={c}"

@@ -19,9 +19,10 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
 
 
-def _run(script: str, *args: str, timeout: float = 240) -> str:
+def _run(script: str, *args: str, timeout: float = 240, quick: bool = True) -> str:
+    flags = ["--quick", "--no-write"] if quick else []
     r = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), "--quick", "--no-write", *args],
+        [sys.executable, str(BENCHMARKS / script), *flags, *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -60,3 +61,17 @@ def test_decode_paths_runs() -> None:
         assert f"| 128 | {path} |" in out
     assert "| 128 | D's GPU holds it | decode " in out
     assert "Crossover:" in out
+
+
+@pytest.mark.parametrize("base", ["HEAD", "e3bb44d"], ids=["nested", "flat"])
+def test_router_ab_runs(base: str) -> None:
+    """Two routers side by side, non-streamed, c=2: this tree's against a commit's (HEAD, and
+    e3bb44d, from before the configuration's groups: its configuration goes flat)."""
+    known = subprocess.run(["git", "cat-file", "-e", f"{base}^{{commit}}"], cwd=ROOT)
+    if known.returncode != 0:
+        pytest.skip(f"{base} is not in this clone's history")
+    args = ["--base", base, "--lengths", "short", "--kinds", "exact,chat", "--rounds", "1"]
+    args += ["--conversations", "8", "--turns", "2", "--plain", "--concurrency", "2"]
+    out = _run("router_ab.py", *args, quick=False)
+    assert "| prompt | kind | base | this | this ÷ base |" in out
+    assert "| 0k | chat |" in out
