@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from benchmarks._turns import PLAIN, STREAMED, Stats, Target, Workload
 
-ORDER = ["vllm", "floor", "router", "exact", "messages", "responses", "pd"]
+ORDER = ["vllm", "floor", "asgi", "router", "exact", "messages", "responses", "pd"]
 LABELS = {0: "short", 1_000: "1k", 8_000: "8k", 32_000: "32k", 128_000: "128k"}
 
 
@@ -180,6 +180,7 @@ def length_tables(cells: list[Cell]) -> list[str]:
                 f"| {_ms(floor)} | {_ratio(exact, vllm)} | {_ratio(chat, vllm)} "
                 f"| {_ratio(exact, floor)} | {_ratio(chat, floor)} | {added} |"
             )
+    lines += stack_table(by, lengths, concs)
     lines += [
         "",
         "Messages and Responses against chat, router CPU ms per turn in the same run (issue 22:",
@@ -198,6 +199,49 @@ def length_tables(cells: list[Cell]) -> list[str]:
                 f"| {_ratio(msgs, chat)} | {_ratio(resp, chat)} |"
             )
     return lines
+
+
+def stack_table(
+    by: dict[tuple[str, str, int, int], Cell], lengths: list[int], concs: list[int]
+) -> list[str]:
+    """Where the router's CPU goes, when the ASGI floor ran: the raw floor, the router's stack
+    doing the floor's work, and the router's own work on top (CPU ms per turn, streamed)."""
+    if not any(key == "asgi" for key, *_ in by):
+        return []
+    lines = [
+        "",
+        "The router's stack against the floors, CPU ms per turn in the same run: *stack* is the",
+        "ASGI floor over the relay floor (uvicorn, ASGI and aiohttp doing the floor's work),",
+        "*router's work* the router over the ASGI floor (routing, middleware, verification,",
+        "handles, receipts, metrics):",
+        "",
+        "| prompt | c | relay floor | ASGI floor | router exact ids | router chat | vLLM proxy "
+        "| ASGI ÷ floor | ASGI ÷ proxy | stack ms | router's work ms, exact / chat |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for length in lengths:
+        for c in concs:
+            floor, asgi = (
+                by.get(("floor", "stream", length, c)),
+                by.get(("asgi", "stream", length, c)),
+            )
+            exact, chat = (
+                by.get(("exact", "stream", length, c)),
+                by.get(("router", "stream", length, c)),
+            )
+            vllm = by.get(("vllm", "stream", length, c))
+            lines.append(
+                f"| {label(length)} | {c} | {_ms(floor)} | {_ms(asgi)} | {_ms(exact)} "
+                f"| {_ms(chat)} | {_ms(vllm)} | {_ratio(asgi, floor)} | {_ratio(asgi, vllm)} "
+                f"| {_diff(asgi, floor)} | {_diff(exact, asgi)} / {_diff(chat, asgi)} |"
+            )
+    return lines
+
+
+def _diff(a: Cell | None, b: Cell | None) -> str:
+    if not (a and b and a.turns and b.turns):
+        return "—"
+    return f"{a.cpu_ms - b.cpu_ms:+.2f}"
 
 
 def memory_table(rows: list[Memory], warm: int) -> list[str]:

@@ -165,6 +165,14 @@ def start_targets(
         )
         procs.append(floor)
         targets.append(Target("floor", "relay floor", floor.url, "chat", floor.pid))
+    if keep is not None and "asgi" in keep:
+        asgi = start_process(
+            "asgi",
+            lambda port: ["-m", "benchmarks._asgi_floor", str(port), p.url, d.url],
+            logs,
+        )
+        procs.append(asgi)
+        targets.append(Target("asgi", "ASGI floor", asgi.url, "chat", asgi.pid))
     router = start_router(cfg, logs)
     procs.append(router)
     for key, name, kind in (

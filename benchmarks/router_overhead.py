@@ -10,6 +10,9 @@ cost of the path, not of a model. In front of the same two engines, in their own
   ``conversation_id`` and attached to the next turn's P request without verification;
 * **relay floor** (``benchmarks/_relay_floor.py``): the same P/D steps in raw asyncio with
   pooled keep-alive connections, D's bytes passed through: the floor for a Python proxy;
+* **ASGI floor** (``benchmarks/_asgi_floor.py``, ``--targets asgi``, not in the default set):
+  the same steps on the router's own stack (uvicorn with httptools and uvloop, a bare ASGI
+  callable, aiohttp, orjson): what that stack costs before the router does any work;
 * **agentkv router (chat)**: ``agentkv router`` given the chat messages, so it also asks P's
   ``/tokenize`` for the prompt ids and verifies the stored handle against them;
 * **agentkv router (exact ids)**: given ``kv_transfer_params.prompt_token_ids`` as agentkv's SDK
@@ -116,6 +119,9 @@ TARGET_LINES = [
     "- **relay floor**: `benchmarks/_relay_floor.py`, the same P/D steps in raw asyncio,",
     "  pooled keep-alive connections, D's bytes passed through (no verification, nothing",
     "  stripped): the floor for a Python proxy;",
+    "- **ASGI floor** (when run): `benchmarks/_asgi_floor.py`, the same steps on the router's",
+    "  stack (uvicorn with httptools and uvloop, a bare ASGI callable, aiohttp, orjson), no",
+    "  routing, middleware or verification: the router's stack before the router's work;",
     "- **agentkv router (chat)**: given the messages: it asks P's `/tokenize`, verifies the",
     "  handle against the ids, strips internal fields;",
     "- **agentkv router (exact ids)**: given `kv_transfer_params.prompt_token_ids` and",
@@ -262,7 +268,8 @@ def main() -> None:
     )
     parser.add_argument(
         "--targets",
-        help="comma-separated subset of vllm,floor,router,exact,messages,responses,pd",
+        help="comma-separated subset of vllm,floor,router,exact,messages,responses,pd "
+        "(default all of them) and asgi (the ASGI floor, only when named)",
     )
     parser.add_argument(
         "--rss-conversations",
