@@ -21,7 +21,7 @@ import aiohttp
 import orjson
 import uvicorn
 
-from benchmarks._relay_floor import MARK, PREFILL
+from benchmarks._relay_floor import MARK, PREFILL, handle_in
 
 JSON = {"Content-Type": "application/json"}
 
@@ -35,16 +35,7 @@ class AsgiFloor:
         self.session: aiohttp.ClientSession | None = None
 
     def keep(self, conv: str | None, line: bytes) -> None:
-        """Keep D's handle from its finish chunk (``data: {...}``) or whole JSON answer."""
-        if not conv:
-            return
-        payload = line.strip()
-        payload = payload[6:] if payload.startswith(b"data: ") else payload
-        try:
-            params = orjson.loads(payload).get("kv_transfer_params")
-        except orjson.JSONDecodeError:
-            return
-        if params:
+        if conv and (params := handle_in(line)):
             params["remote_host"] = self.d_host
             self.handles[conv] = params
 

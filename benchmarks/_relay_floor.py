@@ -84,22 +84,24 @@ async def post(pool: Pool, path: str, body: bytes) -> bytes:
     return data
 
 
+def handle_in(line: bytes) -> dict[str, Any] | None:
+    """D's handle in its finish chunk (``data: {...}``) or whole JSON answer, if any."""
+    payload = line.strip()
+    payload = payload[6:] if payload.startswith(b"data: ") else payload
+    try:
+        params = orjson.loads(payload).get("kv_transfer_params")
+    except orjson.JSONDecodeError:
+        return None
+    return params if isinstance(params, dict) and params else None
+
+
 class Floor:
     def __init__(self, prefill: str, decode: str) -> None:
         self.p, self.d = Pool(prefill), Pool(decode)
         self.handles: dict[str, dict[str, Any]] = {}
 
     def keep(self, conv: str | None, line: bytes) -> None:
-        """Keep D's handle from its finish chunk (``data: {...}``) or whole JSON answer."""
-        if not conv:
-            return
-        payload = line.strip()
-        payload = payload[6:] if payload.startswith(b"data: ") else payload
-        try:
-            params = orjson.loads(payload).get("kv_transfer_params")
-        except orjson.JSONDecodeError:
-            return
-        if params:
+        if conv and (params := handle_in(line)):
             params["remote_host"] = self.d.host
             self.handles[conv] = params
 

@@ -43,13 +43,14 @@ def test_router_load_runs_and_its_checks_pass() -> None:
 
 
 def test_router_overhead_runs() -> None:
-    """Every target (vLLM's proxy included), prompt lengths 1k and 8k, c=1 and 2, the memory
-    figure; no turn fails."""
-    targets = ["vllm", "floor", "router", "exact", "messages", "responses", "pd"]
+    """Every target (vLLM's proxy and the ASGI floor included), prompt lengths 1k and 8k, c=1
+    and 2, the memory figure; no turn fails."""
+    targets = ["vllm", "floor", "asgi", "router", "exact", "messages", "responses", "pd"]
     out = _run("router_overhead.py", "--targets", ",".join(targets), timeout=900)
     assert "| prompt | c | router exact ids | router chat | vLLM proxy |" in out
     assert "| 8k | 2 |" in out
     assert "| prompt | c | router chat | Messages | Responses |" in out
+    assert "| prompt | c | relay floor | ASGI floor |" in out  # the stack's table
     assert "| agentkv router (exact ids) |" in out  # the memory table
 
 
