@@ -59,11 +59,19 @@ class _Open:
 
     kind: str  # "message" | "reasoning" | "call"
     item_id: str
-    text: str = ""
+    parts: list[str] = field(default_factory=list)
+    """The item's text (or a call's arguments) as it came, joined when the item closes: a
+    string grown by ``+=`` on an attribute is copied whole on every token."""
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     call_index: int | None = None
     call_id: str = ""
     name: str = ""
+
+    @property
+    def text(self) -> str:
+        if len(self.parts) != 1:
+            self.parts[:] = ["".join(self.parts)]  # joined once, however often it is read
+        return self.parts[0]
 
 
 class ResponsesEncoder:
@@ -236,7 +244,7 @@ class ResponsesEncoder:
 
     def _text_delta(self, text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
         assert self._open is not None
-        self._open.text += text
+        self._open.parts.append(text)
         self._open.logprobs.extend(logprobs)
         stream_lps = [
             {
@@ -260,12 +268,12 @@ class ResponsesEncoder:
     def _plain_text_delta(self, text: str) -> bytes:
         """:meth:`_text_delta` without logprobs, framed: the bytes ``frame`` writes for it."""
         assert self._open is not None
-        self._open.text += text
+        self._open.parts.append(text)
         return self._delta_frame(_TEXT_DELTA, text, b',"logprobs":[]}\n\n')
 
     def _reasoning_delta(self, text: str) -> bytes:
         assert self._open is not None
-        self._open.text += text
+        self._open.parts.append(text)
         return self._delta_frame(_REASONING_DELTA, text, b"}\n\n")
 
     def _delta_frame(self, kind: bytes, text: str, tail: bytes) -> bytes:
@@ -315,7 +323,7 @@ class ResponsesEncoder:
         assert self._open is not None
         arguments = fn.get("arguments") or ""
         if arguments:
-            self._open.text += arguments
+            self._open.parts.append(arguments)
             if self._open.name not in self._tools.custom:
                 events.append(
                     self._event(
