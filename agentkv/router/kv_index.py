@@ -72,6 +72,8 @@ from agentkv.protocol.kv_events import (
 __all__ = ["Event", "IndexStats", "KVEventsConfig", "PrefixIndex"]
 
 _DIGEST_SIZE = 12  # agentkv.router.verify.chain_hashes
+_HASH = hashlib.blake2b(digest_size=_DIGEST_SIZE)
+"""The blank state every chained block hash is copied from (never updated itself)."""
 _UNKNOWN_SALT = "\x00unknown-salt"
 Event = BlockStored | BlockRemoved | AllBlocksCleared
 
@@ -182,13 +184,15 @@ class PrefixIndex:
         hit = 0
         parent = b""
         first, chunk = 0, 8  # blocks converted to int64 at a time, doubling: a miss stops early
+        start = _HASH.copy  # a copy of a made state: cheaper than making one per block
         while first < cap:
             last = min(cap, first + chunk)
-            raw = array("q", prompt_ids[first * bs : last * bs]).tobytes()
+            raw = memoryview(array("q", prompt_ids[first * bs : last * bs]).tobytes())
             for offset in range(0, (last - first) * width, width):
-                parent = hashlib.blake2b(
-                    parent + raw[offset : offset + width], digest_size=_DIGEST_SIZE
-                ).digest()
+                h = start()
+                h.update(parent)
+                h.update(raw[offset : offset + width])
+                parent = h.digest()
                 held = blocks.get(parent)
                 if held is None or (held != ns and not (type(held) is _Namespaces and ns in held)):
                     return hit * bs
@@ -286,9 +290,10 @@ class PrefixIndex:
                 countable = False  # multimodal / prompt-embeds keys: tokens do not decide
             digest: bytes | None = None
             if countable and parent_digest is not None:
-                digest = hashlib.blake2b(
-                    parent_digest + raw[i * width : (i + 1) * width], digest_size=_DIGEST_SIZE
-                ).digest()
+                h = _HASH.copy()
+                h.update(parent_digest)
+                h.update(raw[i * width : (i + 1) * width])
+                digest = h.digest()
             else:
                 self.stats.uncountable_blocks += 1
             self._put(engine_hash, digest, ns)

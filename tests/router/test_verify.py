@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from dataclasses import replace
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from agentkv.router.request import checked_ids, int32_le
 from agentkv.router.store import DIGEST_SIZE, StoredHandle, Taken
@@ -91,6 +95,27 @@ def test_block_digests_one_per_full_block_salted_by_the_root():
     assert digests([1, 2, 3, 4], hash_root("a", None)) != digests(
         [1, 2, 3, 4], hash_root("b", None)
     )
+
+
+@given(
+    st.lists(st.integers(0, 2**31 - 1), max_size=80),
+    st.sampled_from([1, 4, 16]),
+    st.binary(min_size=16, max_size=16),
+)
+def test_block_and_chain_hashes_are_their_wire_definitions(ids, bs, root):
+    """The digests a stored handle and the prefix index keep, as written down: a router of
+    another release, sharing Redis, computes the same bytes."""
+    data, step = int32_le(ids), 4 * bs
+    blocks = [data[i : i + step] for i in range(0, len(data) // step * step, step)]
+    expected = b"".join(
+        hashlib.blake2b(b, digest_size=DIGEST_SIZE, salt=root).digest() for b in blocks
+    )
+    assert block_digests(data, bs, root) == expected
+    wide, parent, chain = array("q", ids).tobytes(), root, []
+    for i in range(0, len(wide) - 8 * bs + 1, 8 * bs):
+        parent = hashlib.blake2b(parent + wide[i : i + 8 * bs], digest_size=12).digest()
+        chain.append(parent.hex())
+    assert chain_hashes(ids, bs, root) == chain
 
 
 def test_token_ids_hash_as_lists_do():
