@@ -21,7 +21,7 @@ import aiohttp
 import orjson
 import uvicorn
 
-from benchmarks._relay_floor import MARK, PREFILL, handle_in
+from benchmarks._relay_floor import MARK, handle_in, prefill_request
 
 JSON = {"Content-Type": "application/json"}
 
@@ -66,12 +66,7 @@ class AsgiFloor:
 
     async def turn(self, path: str, body: bytes, send: Any) -> None:
         assert self.session is not None
-        req = orjson.loads(body)
-        conv = req.pop("conversation_id", None)
-        held = self.handles.pop(conv, None) if conv else None
-        params = dict(held, do_remote_decode=True, do_remote_prefill=False) if held else PREFILL
-        p_body = dict(req, max_tokens=1, stream=False, kv_transfer_params=params)
-        p_body.pop("stream_options", None)
+        req, conv, p_body = prefill_request(body, self.handles)
         async with self.session.post(self.p + path, data=orjson.dumps(p_body), headers=JSON) as r:
             d_params = orjson.loads(await r.read())["kv_transfer_params"]
         d_params["remote_host"] = self.p_host

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -137,6 +138,10 @@ def start_vllm_proxy(python: str, p: str, d: str, logs: Path) -> Proc:
     return start_process("vllm-proxy", argv, logs, python=python)
 
 
+def _floor_argv(module: str, prefill: str, decode: str, port: int) -> list[str]:
+    return ["-m", module, str(port), prefill, decode]
+
+
 def start_targets(
     engines: Engines,
     cfg: dict[str, Any],
@@ -157,22 +162,16 @@ def start_targets(
         vllm = start_vllm_proxy(vllm_proxy_python, p.url, d.url, logs)
         procs.append(vllm)
         targets.append(Target("vllm", "vLLM proxy", vllm.url, "chat", vllm.pid))
-    if wanted("floor"):
-        floor = start_process(
-            "floor",
-            lambda port: ["-m", "benchmarks._relay_floor", str(port), p.url, d.url],
-            logs,
-        )
-        procs.append(floor)
-        targets.append(Target("floor", "relay floor", floor.url, "chat", floor.pid))
-    if keep is not None and "asgi" in keep:
-        asgi = start_process(
-            "asgi",
-            lambda port: ["-m", "benchmarks._asgi_floor", str(port), p.url, d.url],
-            logs,
-        )
-        procs.append(asgi)
-        targets.append(Target("asgi", "ASGI floor", asgi.url, "chat", asgi.pid))
+    floors = [("floor", "relay floor", "benchmarks._relay_floor")]
+    if keep is not None and "asgi" in keep:  # only when named
+        floors.append(("asgi", "ASGI floor", "benchmarks._asgi_floor"))
+    for key, name, module in floors:
+        if not wanted(key):
+            continue
+        argv = functools.partial(_floor_argv, module, p.url, d.url)
+        proc = start_process(key, argv, logs)
+        procs.append(proc)
+        targets.append(Target(key, name, proc.url, "chat", proc.pid))
     router = start_router(cfg, logs)
     procs.append(router)
     for key, name, kind in (

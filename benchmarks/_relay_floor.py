@@ -95,6 +95,21 @@ def handle_in(line: bytes) -> dict[str, Any] | None:
     return params if isinstance(params, dict) and params else None
 
 
+def prefill_request(
+    body: bytes, handles: dict[str, dict[str, Any]]
+) -> tuple[dict[str, Any], str | None, dict[str, Any]]:
+    """The client's request (without ``conversation_id``), its conversation and P's body:
+    ``max_tokens: 1``, not streamed, with the conversation's last D handle (taken from
+    ``handles``) or ``do_remote_decode``."""
+    req = orjson.loads(body)
+    conv = req.pop("conversation_id", None)
+    held = handles.pop(conv, None) if conv else None
+    params = dict(held, do_remote_decode=True, do_remote_prefill=False) if held else PREFILL
+    p_body = dict(req, max_tokens=1, stream=False, kv_transfer_params=params)
+    p_body.pop("stream_options", None)
+    return req, conv, p_body
+
+
 class Floor:
     def __init__(self, prefill: str, decode: str) -> None:
         self.p, self.d = Pool(prefill), Pool(decode)
@@ -122,12 +137,7 @@ class Floor:
             w.close()
 
     async def turn(self, path: str, body: bytes, w: asyncio.StreamWriter) -> None:
-        req = orjson.loads(body)
-        conv = req.pop("conversation_id", None)
-        held = self.handles.pop(conv, None) if conv else None
-        params = dict(held, do_remote_decode=True, do_remote_prefill=False) if held else PREFILL
-        p_body = dict(req, max_tokens=1, stream=False, kv_transfer_params=params)
-        p_body.pop("stream_options", None)
+        req, conv, p_body = prefill_request(body, self.handles)
         p_params = orjson.loads(await post(self.p, path, orjson.dumps(p_body)))
         d_params = p_params["kv_transfer_params"]
         d_params["remote_host"] = self.p.host
