@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 from agentkv.protocol import KVTransferParams
+from agentkv.router.kv_index import chained
 from agentkv.router.request import TokenIds, int32_le
 from agentkv.router.store import DIGEST_SIZE, HASH_VERSION, StoredHandle, Taken, WireParams
 from agentkv.router.token_ids import le_ints
@@ -85,12 +86,8 @@ def chain_hashes(ids: Sequence[int], block_size: int, root: bytes = b"") -> list
     step = block_size * 8
     out: list[str] = []
     parent = root
-    start = hashlib.blake2b(digest_size=12).copy  # see block_digests
     for at in range(0, len(data) - step + 1, step):
-        h = start()
-        h.update(parent)
-        h.update(data[at : at + step])
-        parent = h.digest()
+        parent = chained(parent, data[at : at + step])
         out.append(parent.hex())
     return out
 
