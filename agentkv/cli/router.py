@@ -118,7 +118,6 @@ def router(**values: Any) -> None:
         log_level="warning",
         log_config=None,  # uvicorn's records go through configure_logging's handler
         access_log=False,
-        proxy_headers=False,  # nothing reads the client's address or scheme
     )
 
 

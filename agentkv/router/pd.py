@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 import time
 from collections.abc import Awaitable, Callable, Generator, Mapping
 from dataclasses import dataclass, replace
@@ -96,15 +95,6 @@ async def _drive(
             result: T = end.value
             return result
         answer = await perform(action)
-
-
-async def _within(aw: Awaitable[T], seconds: float) -> T:
-    """``aw``'s result, or ``asyncio.TimeoutError`` after ``seconds`` (3.11+: without the task
-    and the future ``wait_for`` makes for it)."""
-    if sys.version_info >= (3, 11):
-        async with asyncio.timeout(seconds):
-            return await aw
-    return await asyncio.wait_for(aw, seconds)
 
 
 class Router:
@@ -403,7 +393,7 @@ class Router:
         first_byte = first_byte_deadline(self.config, engine, most, len(ids), relay)
         try:
             send = engine.client.stream(req.path, body, trace_headers())
-            upstream = await _within(send, first_byte)
+            upstream = await asyncio.wait_for(send, first_byte)
         except (TransportError, asyncio.TimeoutError) as exc:
             engine.outstanding_requests -= 1
             kind = "first_byte" if isinstance(exc, asyncio.TimeoutError) else "connect"
